@@ -1,0 +1,94 @@
+"""The DualKV attention entry point: one call, backend chosen at run time.
+
+Backends, fastest first: `cuda` (fused dual-region kernels, csrc/), `flex` (FlexAttention with a
+DualKV block mask, CUDA only), `reference` (exact PyTorch math, any device). `backend=None` picks
+the first one that is available for the inputs and says once, in one line, which one and why.
+The environment variable MEGATRON_DUALKV_ATTENTION_BACKEND forces one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+from typing import Optional, Union
+
+from torch import Tensor
+
+from ..layout import PackedLayout, SegmentTable
+
+logger = logging.getLogger("megatron_dualkv")
+
+BACKENDS = ("cuda", "flex", "reference")
+_ENV = "MEGATRON_DUALKV_ATTENTION_BACKEND"
+_announced: set = set()
+
+
+def _backend_module(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown DualKV attention backend {name!r}; choose one of {BACKENDS}")
+    mod = {"cuda": "cuda_backend", "flex": "flex_backend", "reference": "reference_backend"}[name]
+    try:
+        return importlib.import_module(f".{mod}", __package__), ""
+    except ImportError as exc:  # a backend module that is not there yet / cannot import
+        return None, f"module megatron_dualkv.ops.{mod} cannot be imported ({exc})"
+
+
+def backend_status(name: str, q: Tensor) -> tuple[bool, str]:
+    """(available for these inputs, reason when not)."""
+    mod, why = _backend_module(name)
+    if mod is None:
+        return False, why
+    return mod.is_available(q)
+
+
+def select_backend(q: Tensor, requested: Optional[str] = None) -> tuple[str, str]:
+    """(backend name, one-line reason for the choice)."""
+    requested = requested or os.environ.get(_ENV) or None
+    if requested is not None:
+        ok, why = backend_status(requested, q)
+        if not ok:
+            raise RuntimeError(f"DualKV attention backend {requested!r} was requested but is unavailable: {why}")
+        return requested, "requested"
+    skipped = []
+    for name in BACKENDS:
+        ok, why = backend_status(name, q)
+        if ok:
+            reason = "; ".join(f"{n}: {w}" for n, w in skipped) or "fastest available"
+            return name, reason
+        skipped.append((name, why))
+    raise RuntimeError("no DualKV attention backend is available: " + "; ".join(f"{n}: {w}" for n, w in skipped))
+
+
+def dualkv_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: Union[PackedLayout, SegmentTable],
+    softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Attention of packed THD tensors over the layout's two KV regions.
+
+    q [T, Hq, D], k and v [T, Hkv, D]; returns [T, Hq, D]. Differentiable.
+    """
+    segments = layout.segments if isinstance(layout, PackedLayout) else layout
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0] == segments.num_tokens):
+        raise ValueError(
+            f"q, k, v hold {q.shape[0]}, {k.shape[0]}, {v.shape[0]} tokens but the layout packs {segments.num_tokens}"
+        )
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (GQA needs Hq % Hkv == 0)")
+    if segments.device != q.device:
+        raise ValueError(f"layout is on {segments.device} but q is on {q.device}; move it with layout.to(device)")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    name, reason = select_backend(q, backend)
+    key = (name, q.device.type, q.dtype)
+    if key not in _announced:
+        _announced.add(key)
+        logger.info("DualKV attention backend: %s on %s/%s (%s)", name, q.device.type, q.dtype, reason)
+    mod, _ = _backend_module(name)
+    return mod.attention(q, k, v, segments, scale)

@@ -1,0 +1,87 @@
+"""Exact DualKV attention in plain PyTorch: the definition every other backend is tested against.
+
+Runs on any device and dtype (float64 included), any head dim, GQA; differentiable through
+autograd. Memory is O(chunk x tree) per head, so it is meant for tests and small problems.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..layout import SegmentTable
+
+
+def _tree_ranges(segments: SegmentTable) -> list[tuple[int, int]]:
+    """Token ranges of the segment trees: a root and its descendants are contiguous."""
+    roots = [s for s, p in enumerate(segments.host_parent) if p < 0]
+    starts = [segments.host_start[s] for s in roots]
+    ends = starts[1:] + [segments.num_tokens]
+    return list(zip(starts, ends))
+
+
+def _ancestor_matrix(segments: SegmentTable, device: torch.device) -> Tensor:
+    """anc[s, a] is True when a is a strict ancestor of s."""
+    n = segments.num_segments
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for s in range(n):
+        for a in segments.ancestors(s):
+            anc[s, a] = True
+    return anc.to(device)
+
+
+def allowed_mask(segments: SegmentTable, rows: Tensor, cols: Tensor) -> Tensor:
+    """bool [len(rows), len(cols)]: may query token `rows[i]` attend key token `cols[j]`."""
+    seg = segments.token_segment_ids().to(rows.device)
+    anc = _ancestor_matrix(segments, rows.device)
+    sr, sc = seg[rows], seg[cols]
+    same = (sr[:, None] == sc[None, :]) & (cols[None, :] <= rows[:, None])
+    return same | anc[sr[:, None], sc[None, :]]
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    segments: SegmentTable,
+    softmax_scale: Optional[float] = None,
+    query_chunk: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """out [T, Hq, D] (q's dtype) and lse [Hq, T] (float32, or float64 for float64 inputs)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if k.shape[0] != t or v.shape[0] != t or segments.num_tokens != t:
+        raise ValueError(
+            f"q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]} tokens; the layout has {segments.num_tokens}"
+        )
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = hq // hkv
+    kk = k.to(compute).repeat_interleave(rep, dim=1)
+    vv = v.to(compute).repeat_interleave(rep, dim=1)
+    qq = q.to(compute)
+    seg = segments.token_segment_ids().to(q.device)
+    anc = _ancestor_matrix(segments, q.device)
+
+    outs, lses = [], []
+    for lo, hi in _tree_ranges(segments):
+        cols = torch.arange(lo, hi, device=q.device)
+        kt, vt = kk[lo:hi].transpose(0, 1), vv[lo:hi].transpose(0, 1)  # [H, L, D]
+        for a in range(lo, hi, query_chunk):
+            b = min(a + query_chunk, hi)
+            rows = torch.arange(a, b, device=q.device)
+            sr, sc = seg[rows], seg[cols]
+            mask = ((sr[:, None] == sc[None, :]) & (cols[None, :] <= rows[:, None])) | anc[sr[:, None], sc[None, :]]
+            scores = torch.matmul(qq[a:b].transpose(0, 1), kt.transpose(1, 2)) * scale  # [H, rows, L]
+            scores = scores.masked_fill(~mask, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # [H, rows]; every row sees itself, so finite
+            probs = torch.exp(scores - lse[..., None])
+            outs.append(torch.matmul(probs, vt).transpose(0, 1))  # [rows, H, D]
+            lses.append(lse)
+    out = torch.cat(outs, dim=0).to(q.dtype)
+    return out, torch.cat(lses, dim=1)
