@@ -1,0 +1,79 @@
+"""Quick timing of the DualKV CUDA kernels on the published shapes (H100, bf16, d=128, 32/8 heads).
+
+    python csrc/bench_cuda.py [--quick]
+
+Prints fwd / bwd / fwd+bwd ms and useful TFLOP/s (attention FLOPs of the deduplicated problem,
+fwd = 4*D*Hq*pairs, fwd+bwd counted as 3.5x fwd) and peak memory. tools/bench_kernel.py holds the
+full comparison with FlexAttention and SDPA; this script is the kernel engineer's own check.
+"""
+import math
+import statistics
+import sys
+
+import torch
+
+from megatron_dualkv.layout import SegmentTable
+from megatron_dualkv.ops import cuda_backend
+
+SHAPES = [(28, 4096), (28, 16384), (16, 32768), (28, 32768), (16, 65536)]
+
+
+def layout(n, p, r):
+    start, length, parent = [0], [p], [-1]
+    pos = p
+    for _ in range(n):
+        start.append(pos); length.append(r); parent.append(0); pos += r
+    return SegmentTable.from_host(start, length, parent, device="cuda")
+
+
+def pairs(n, p, r):
+    return p * (p + 1) // 2 + n * (r * p + r * (r + 1) // 2)
+
+
+def timed(fn, reps):
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main():
+    quick = "--quick" in sys.argv
+    hq, hkv, d = 32, 8, 128
+    print(f"device: {torch.cuda.get_device_name()}")
+    print("| N | P | R | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in (2048, 1024):
+        for n, p in SHAPES:
+            seg = layout(n, p, r)
+            t = seg.num_tokens
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            do = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            scale = 1 / math.sqrt(d)
+            cuda_backend.work_tensors(seg, q.device)
+            reps = 1 if quick else 3
+            torch.cuda.reset_peak_memory_stats()
+            with torch.no_grad():
+                cuda_backend.forward(q, k, v, seg, scale)  # warm-up
+                f_ms = timed(lambda: cuda_backend.forward(q, k, v, seg, scale), reps)
+            def fb():
+                out = cuda_backend.attention(q, k, v, seg, scale)
+                out.backward(do)
+            fb()
+            fb_ms = timed(fb, reps)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            fl = 4 * d * hq * pairs(n, p, r)
+            print(f"| {n} | {p} | {r} | {f_ms:.1f} | {fb_ms - f_ms:.1f} | {fb_ms:.1f} | {fl / f_ms / 1e9:.0f} | "
+                  f"{3.5 * fl / fb_ms / 1e9:.0f} | {peak:.1f} |", flush=True)
+            del q, k, v, do
+            q = k = v = None
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

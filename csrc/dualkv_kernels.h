@@ -1,0 +1,64 @@
+// Launch interface of the DualKV kernels (csrc/dualkv_kernels.cu); no torch headers here so the
+// .cu compiles quickly with nvcc. The torch op registration lives in csrc/dualkv_ops.cpp.
+#pragma once
+#include <cuda_runtime.h>
+
+namespace mdkv {
+
+enum DType { kBF16 = 0, kFP16 = 1 };
+
+struct FwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;      // [T, Hq, D]
+  float* lse;     // [Hq, T], natural log
+  const int* work;  // row items, 8 int32 each
+  int num_items;
+  int T, hq, hkv;
+  float scale, scale_log2;
+};
+
+struct DeltaArgs {
+  const void* out;
+  const void* dout;
+  const float* dlse;  // [Hq, T] or nullptr
+  float* delta;       // [Hq, T]
+  int T, hq;
+};
+
+struct DqArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* lse;
+  const float* delta;
+  void* dq;
+  const int* work;  // row items (same list as the forward)
+  int num_items;
+  int T, hq, hkv;
+  float scale, scale_log2;
+};
+
+struct DkvArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* lse;
+  const float* delta;
+  void* dk;
+  void* dv;
+  const int* work;    // kv items, 8 int32 each
+  const int* ranges;  // 2 int32 per range
+  int num_items;
+  int T, hq, hkv;
+  float scale, scale_log2;
+};
+
+cudaError_t launch_fwd(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
+cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
+                       cudaStream_t stream);
+
+}  // namespace mdkv

@@ -1,0 +1,168 @@
+// Torch op registration for the DualKV kernels: namespace `megatron_dualkv`.
+//
+//   megatron_dualkv::fwd(q, k, v, row_work, scale) -> (out [T,Hq,D], lse [Hq,T] fp32)
+//   megatron_dualkv::bwd(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
+//                        deterministic) -> (dq, dk, dv)
+//
+// Work lists are int32 device tensors built by megatron_dualkv/ops/cuda_backend.py (once per
+// layout). Fake (meta) implementations and autograd are registered in Python.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+
+#include "dualkv_kernels.h"
+
+namespace {
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "megatron_dualkv: q, k, v must be CUDA tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "megatron_dualkv: q, k, v must be [tokens, heads, head_dim], got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "megatron_dualkv: dtype must be bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "megatron_dualkv: q, k, v must share one dtype");
+  const auto d = q.size(2);
+  TORCH_CHECK(d == 64 || d == 128, "megatron_dualkv: head dim must be 64 or 128, got ", d);
+  TORCH_CHECK(k.size(2) == d && v.size(2) == d && k.sizes() == v.sizes(), "megatron_dualkv: k and v must be [T, Hkv, ",
+              d, "]");
+  TORCH_CHECK(k.size(0) == q.size(0), "megatron_dualkv: q and k/v token counts differ");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "megatron_dualkv: query heads must be a multiple of kv heads");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "megatron_dualkv: q, k, v must be contiguous [T, H, D]");
+}
+
+void check_work(const at::Tensor& w, const at::Tensor& q, const char* what) {
+  TORCH_CHECK(w.is_cuda() && w.device() == q.device(), "megatron_dualkv: ", what, " must be on q's device");
+  TORCH_CHECK(w.scalar_type() == at::kInt && w.is_contiguous(), "megatron_dualkv: ", what, " must be contiguous int32");
+}
+
+int dtype_code(const at::Tensor& q) { return q.scalar_type() == at::kBFloat16 ? mdkv::kBF16 : mdkv::kFP16; }
+
+std::tuple<at::Tensor, at::Tensor> dualkv_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& row_work, double scale) {
+  check_qkv(q, k, v);
+  check_work(row_work, q, "row_work");
+  TORCH_CHECK(row_work.dim() == 2 && row_work.size(1) == 8, "megatron_dualkv: row_work must be [items, 8]");
+  c10::cuda::CUDAGuard guard(q.device());
+  const int T = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  auto out = at::empty_like(q);
+  auto lse = at::empty({hq, T}, q.options().dtype(at::kFloat));
+  mdkv::FwdArgs a;
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.out = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  a.work = row_work.data_ptr<int>();
+  a.num_items = row_work.size(0);
+  a.T = T;
+  a.hq = hq;
+  a.hkv = hkv;
+  a.scale = static_cast<float>(scale);
+  a.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  auto err = mdkv::launch_fwd(a, dtype_code(q), d, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "megatron_dualkv fwd launch failed: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd(const at::Tensor& dout_in, const at::Tensor& q,
+                                                          const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& out, const at::Tensor& lse,
+                                                          const std::optional<at::Tensor>& dlse_in,
+                                                          const at::Tensor& row_work, const at::Tensor& kv_work,
+                                                          const at::Tensor& kv_ranges, double scale,
+                                                          bool deterministic) {
+  (void)deterministic;  // every backward path here is deterministic (no atomics)
+  check_qkv(q, k, v);
+  check_work(row_work, q, "row_work");
+  check_work(kv_work, q, "kv_work");
+  check_work(kv_ranges, q, "kv_ranges");
+  auto dout = dout_in.contiguous();
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(),
+              "megatron_dualkv: grad of out must match q's shape and dtype");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "megatron_dualkv: out must be contiguous like q");
+  const int T = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == hq &&
+                  lse.size(1) == T,
+              "megatron_dualkv: lse must be contiguous float32 [Hq, T]");
+  at::Tensor dlse;
+  if (dlse_in.has_value() && dlse_in->defined()) {
+    dlse = dlse_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(dlse.sizes() == lse.sizes(), "megatron_dualkv: grad of lse must be [Hq, T]");
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  auto dq = at::empty_like(q);
+  auto dk = at::empty_like(k);
+  auto dv = at::empty_like(v);
+  auto delta = at::empty({hq, T}, q.options().dtype(at::kFloat));
+  const float sc = static_cast<float>(scale), sl2 = static_cast<float>(scale * M_LOG2E);
+
+  mdkv::DeltaArgs da;
+  da.out = out.data_ptr();
+  da.dout = dout.data_ptr();
+  da.dlse = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
+  da.delta = delta.data_ptr<float>();
+  da.T = T;
+  da.hq = hq;
+
+  mdkv::DqArgs qa;
+  qa.q = q.data_ptr();
+  qa.k = k.data_ptr();
+  qa.v = v.data_ptr();
+  qa.dout = dout.data_ptr();
+  qa.lse = lse.data_ptr<float>();
+  qa.delta = delta.data_ptr<float>();
+  qa.dq = dq.data_ptr();
+  qa.work = row_work.data_ptr<int>();
+  qa.num_items = row_work.size(0);
+  qa.T = T;
+  qa.hq = hq;
+  qa.hkv = hkv;
+  qa.scale = sc;
+  qa.scale_log2 = sl2;
+
+  mdkv::DkvArgs ka;
+  ka.q = q.data_ptr();
+  ka.k = k.data_ptr();
+  ka.v = v.data_ptr();
+  ka.dout = dout.data_ptr();
+  ka.lse = lse.data_ptr<float>();
+  ka.delta = delta.data_ptr<float>();
+  ka.dk = dk.data_ptr();
+  ka.dv = dv.data_ptr();
+  ka.work = kv_work.data_ptr<int>();
+  ka.ranges = kv_ranges.data_ptr<int>();
+  ka.num_items = kv_work.size(0);
+  ka.T = T;
+  ka.hq = hq;
+  ka.hkv = hkv;
+  ka.scale = sc;
+  ka.scale_log2 = sl2;
+
+  auto err = mdkv::launch_bwd(da, qa, ka, dtype_code(q), d, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "megatron_dualkv bwd launch failed: ", cudaGetErrorString(err));
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megatron_dualkv, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor row_work, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor row_work, "
+      "Tensor kv_work, Tensor kv_ranges, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {
+  m.impl("fwd", &dualkv_fwd);
+  m.impl("bwd", &dualkv_bwd);
+}
+
+// Importable as megatron_dualkv._C (importing it registers the ops above).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.doc() = "DualKV fused attention kernels (torch ops megatron_dualkv::*)"; }
