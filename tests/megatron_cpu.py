@@ -14,18 +14,31 @@ Shims (why each is needed):
   state, so `get_cuda_rng_tracker().fork()` works on CPU.
 - torch.cuda.Stream/Event/current_stream/stream: no-op stand-ins (alltoall dispatcher, DDP).
 - torch.distributed: a gloo default group (world size 1 unless RANK/WORLD_SIZE say otherwise).
-Multi-process tests add their own shims here (additively): numpy split sizes for gloo
-all_to_all, device="cuda" literals in schedules/optimizer.
+
+Multi-process layer (below `destroy_cpu_megatron`): the same shims as context managers that restore
+what they patch (`megatron_cpu_shims`), plus a torch-function mode for literal device="cuda"
+placements (schedules, DDP, optimizer), a sequence-parallel-capable torch norm, `model_parallel()`
+(initialise/destroy per test) and `GlooWorkers`, a launcher that runs a test function on N spawned
+gloo ranks with a timeout and re-raises worker failures in pytest with their tracebacks.
+docs/TESTING.md says why each shim exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import multiprocessing
+import multiprocessing.connection
 import os
 import socket
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 _PATCHED = False
 
@@ -137,3 +150,339 @@ def destroy_cpu_megatron() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-process layer: restoring shims, model_parallel(), GlooWorkers
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Set obj.name = value for the duration of the block, then restore the original."""
+    missing = object()
+    old = obj.__dict__.get(name, missing) if isinstance(obj, type) else getattr(obj, name, missing)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if old is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare ordinal means a CUDA device to torch
+    if isinstance(device, (str, torch.device)):
+        try:
+            return torch.device(device).type == "cuda"
+        except (RuntimeError, TypeError):
+            return False
+    return False
+
+
+class CudaPlacementOnCpu(TorchFunctionMode):
+    """Redirects tensors that Megatron places on CUDA by a literal to the CPU.
+
+    Megatron creates bookkeeping tensors with `device="cuda"` or `torch.cuda.current_device()`
+    (the token counter in the schedules, the causal mask, DDP's warm-up tensor, the optimizer's
+    grad-norm buffers) and calls `.cuda()` on a few. A torch-function mode sees every torch call,
+    so it fixes all of these places at once without naming them.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        if func is torch.Tensor.record_stream:
+            return None
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_runtime_as_cpu() -> Iterator[None]:
+    """torch.cuda entry points that Megatron calls unconditionally, answered for a CPU.
+
+    current_device -> "cpu" (used as `device=` everywhere); Stream/Event/current_stream/stream
+    become no-ops (DDP's communication stream, the alltoall dispatcher's device-to-host stream);
+    synchronize/empty_cache do nothing. Any of these would otherwise initialise CUDA and fail.
+    """
+    cuda = torch.cuda
+    replacements = {
+        "current_device": lambda: "cpu",
+        "Stream": _CPUStream,
+        "Event": _CPUEvent,
+        "current_stream": lambda device=None: _DEFAULT_STREAM,
+        "default_stream": lambda device=None: _DEFAULT_STREAM,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "set_device": lambda device: None,
+    }
+    with contextlib.ExitStack() as stack:
+        for name, value in replacements.items():
+            stack.enter_context(_patched(cuda, name, value))
+        yield
+
+
+class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm whose weight is flagged for sequence parallelism.
+
+    Under sequence parallelism each TP rank normalises a slice of the tokens, so its weight
+    gradient is partial; Megatron's finalize_model_grads sums the gradients of parameters marked
+    `sequence_parallel` over the TP group. That flag is all a norm needs to be SP-capable."""
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool):
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", sequence_parallel)
+
+
+class _SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool):
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", sequence_parallel)
+
+
+@contextlib.contextmanager
+def sequence_parallel_torch_norm() -> Iterator[None]:
+    """Let Megatron's torch-norm fallback (`WrappedTorchNorm`, used by the local spec without apex)
+    build sequence-parallel-capable norms; stock, it asserts `not config.sequence_parallel`.
+
+    Patching the class that the specs name (rather than the specs) reaches every norm of any model
+    built from the local spec, ours included. Without sequence parallelism it builds exactly what
+    the stock class builds."""
+    from megatron.core.transformer import torch_norm
+
+    stock_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return stock_new(cls, config, hidden_size, eps, *args, **kwargs)
+        if config.normalization == "RMSNorm":
+            return _SequenceParallelRMSNorm(hidden_size, eps, True)
+        if config.normalization == "LayerNorm":
+            return _SequenceParallelLayerNorm(hidden_size, eps, True)
+        raise ValueError(f"no sequence-parallel test norm for normalization={config.normalization!r}")
+
+    with _patched(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new)):
+        yield
+
+
+@contextlib.contextmanager
+def megatron_cpu_shims() -> Iterator[None]:
+    """All process-local shims at once (enter after torch.distributed is initialised)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cuda_runtime_as_cpu())
+        stack.enter_context(sequence_parallel_torch_norm())
+        stack.enter_context(CudaPlacementOnCpu())
+        yield
+
+
+@contextlib.contextmanager
+def model_parallel(
+    tp: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    etp: Optional[int] = None,
+    seed: int = 1234,
+):
+    """Megatron's model-parallel state over the current gloo world; yields the ProcessGroupCollection.
+
+    The RNG tracker is Megatron's inference tracker (forking it is a no-op): the stock tracker
+    saves and restores CUDA generator states. Tests run without dropout, so nothing needs it.
+    Destroys the model-parallel state on exit so that the next test can choose other sizes.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not dist.is_initialized():
+        raise RuntimeError("model_parallel() needs torch.distributed initialised (gloo)")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=False,  # the default groups already are gloo groups
+    )
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.manual_seed(seed)
+    try:
+        yield ProcessGroupCollection.use_mpu_process_groups()
+    finally:
+        parallel_state.destroy_model_parallel()
+        tensor_parallel.random.initialize_rng_tracker(force_reset=True, inference_rng_tracker=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher: N persistent worker processes, one gloo world per task
+# ------------------------------------------------------------------------------------------------
+
+
+class WorkerError(AssertionError):
+    """A task failed on a worker; the message carries every failing rank's traceback."""
+
+
+def free_port() -> int:
+    return _free_port()
+
+
+def _worker_main(rank: int, conn) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl.logging).*")
+    patch_cuda_for_cpu()  # a dedicated process: the permanent patch is harmless and matches init_cpu_megatron
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        fn, world_size, port, timeout_s, args, kwargs = task
+        try:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+            with megatron_cpu_shims():
+                result = fn(*args, **kwargs)
+            reply = ("ok", result)
+        except BaseException:  # noqa: BLE001 - everything goes back to pytest
+            reply = ("error", traceback.format_exc())
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        try:
+            conn.send(reply)
+        except Exception:  # the result could not be pickled
+            conn.send(("error", traceback.format_exc()))
+
+
+class GlooWorkers:
+    """A pool of `size` spawned processes that run test tasks as gloo worlds.
+
+    `run(fn, *args, world_size=k)` runs fn(*args) on ranks 0..k-1, each inside a fresh gloo world
+    with the shims entered, and returns the k results in rank order. A task that raises on any
+    rank raises WorkerError here with that rank's traceback; one that outlives `timeout_s` raises
+    TimeoutError. Either way the workers are killed (a rank that failed may leave the others
+    blocked in a collective) and restarted lazily by the next task.
+
+    Workers start with OMP_NUM_THREADS=1 and persist across tasks, so Megatron is imported once
+    per worker, not once per test. `fn` must be importable by name (a module-level function).
+    """
+
+    def __init__(self, size: int, timeout_s: float = 180.0):
+        self.size = size
+        self.timeout_s = timeout_s
+        self._procs: list = []
+        self._conns: list = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for rank in range(self.size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(rank, child), daemon=True,
+                                   name=f"gloo-worker-{rank}")
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=5)
+        self._kill()
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "GlooWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- tasks ------------------------------------------------------------------------------
+    def run(self, fn: Callable, *args, world_size: Optional[int] = None,
+            timeout_s: Optional[float] = None, **kwargs) -> list:
+        world_size = self.size if world_size is None else world_size
+        if not 1 <= world_size <= self.size:
+            raise ValueError(f"world_size {world_size} must be in [1, {self.size}]")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not self._procs:
+            self._start()
+        port = free_port()
+        conns = self._conns[:world_size]
+        for conn in conns:
+            conn.send((fn, world_size, port, timeout_s, args, kwargs))
+        return self._collect(fn, conns, timeout_s)
+
+    def _collect(self, fn: Callable, conns: Sequence, timeout_s: float) -> list:
+        deadline = time.monotonic() + timeout_s
+        results: dict = {}
+        errors: dict = {}
+        pending = {conn: rank for rank, conn in enumerate(conns)}
+        name = getattr(fn, "__qualname__", repr(fn))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._kill()
+                raise TimeoutError(
+                    f"{name}: ranks {sorted(pending.values())} did not finish within {timeout_s:.0f}s "
+                    f"(a hang in a collective?); workers killed")
+            ready = multiprocessing.connection.wait(
+                list(pending) + [self._procs[r].sentinel for r in pending.values()], timeout=left)
+            for obj in ready:
+                conn = next((c for c, r in pending.items() if obj is c or obj == self._procs[r].sentinel), None)
+                if conn is None:
+                    continue
+                rank = pending.pop(conn)
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    status, value = "error", f"worker {rank} died (exit code {self._procs[rank].exitcode})"
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+            if errors:
+                # Give the other ranks a moment to report their own error (often the root cause).
+                time.sleep(0.5)
+                for conn, rank in list(pending.items()):
+                    with contextlib.suppress(EOFError, OSError):
+                        if conn.poll():
+                            status, value = conn.recv()
+                            if status == "error":
+                                errors[rank] = value
+                self._kill()
+                detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                raise WorkerError(f"{name} failed on rank(s) {sorted(errors)}:\n{detail}")
+        return [results[r] for r in range(len(conns))]
