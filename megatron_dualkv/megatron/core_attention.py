@@ -1,0 +1,162 @@
+"""DualKV core attention for Megatron-Core's SelfAttention.
+
+Use it as `SelfAttentionSubmodules.core_attention` (the specs in `megatron_dualkv.megatron.specs`
+do this) and hand the micro-batch layout to the model through the packed-sequence parameters:
+
+    psp = dualkv_packed_seq_params(layout)          # qkv_format 'thd', carries the layout
+    model(input_ids, position_ids=None, attention_mask=None, packed_seq_params=psp)
+
+(`DualKVGPTModel(layout=...)` builds `psp` itself.) The whole micro-batch is described to
+Megatron as ONE packed sequence (cu_seqlens = [0, T]): Megatron's THD RoPE then applies the
+per-token rotary table row by row (see `DualKVGPTModel._preprocess`), and this module replaces
+Megatron's per-sequence causal attention by the DualKV mask read from the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..layout import PackedLayout
+from ..ops import dualkv_attention
+
+
+@dataclass
+class DualKVPackedSeqParams(PackedSeqParams):
+    """PackedSeqParams that also carry the DualKV layout of the micro-batch (qkv_format 'thd')."""
+
+    layout: Optional[PackedLayout] = None
+
+
+def rotary_position_limit(layout: PackedLayout) -> int:
+    """1 + the largest rotary position of the layout, from host data (no device sync).
+
+    A segment's tokens sit at positions (sum of its ancestors' lengths) + 0..length-1.
+    """
+    seg = layout.segments
+    first_pos: list[int] = []
+    limit = 0
+    for s in range(seg.num_segments):
+        p = seg.host_parent[s]
+        start = 0 if p < 0 else first_pos[p] + seg.host_length[p]
+        first_pos.append(start)
+        limit = max(limit, start + seg.host_length[s])
+    return limit
+
+
+def dualkv_packed_seq_params(layout: PackedLayout) -> DualKVPackedSeqParams:
+    """The packed-sequence parameters Megatron's attention path needs for one DualKV micro-batch.
+
+    cu_seqlens = [0, T]: Megatron sees one sequence, so its THD RoPE maps a [T, 1, 1, d] rotary
+    table row by row onto the tokens; max_seqlen is the rotary position limit (the size of the
+    rotary table the model gathers per-token positions from). Cached on the layout.
+    """
+
+    def build() -> DualKVPackedSeqParams:
+        cu = torch.tensor([0, layout.num_tokens], dtype=torch.int32, device=layout.device)
+        limit = rotary_position_limit(layout)
+        return DualKVPackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=limit,
+            max_seqlen_kv=limit,
+            layout=layout,
+        )
+
+    return layout.cached("megatron_packed_seq_params", build)
+
+
+def megatron_softmax_scale(config: TransformerConfig, softmax_scale: Optional[float]) -> float:
+    """The scale Megatron's DotProductAttention applies to q.k, as one number.
+
+    DotProductAttention uses `softmax_scale` (config.softmax_scale, set e.g. by muP) or
+    1/sqrt(kv_channels). apply_query_key_layer_scaling divides the scores by layer_number and
+    the fused softmax multiplies them back by the same coefficient (an fp16 range trick), so
+    the effective scale is unchanged by it.
+    """
+    if softmax_scale is not None:
+        return float(softmax_scale)
+    return 1.0 / math.sqrt(config.kv_channels)
+
+
+class DualKVCoreAttention(MegatronModule):
+    """Core attention over the DualKV layout (prompt once, responses attend to it).
+
+    Constructor arguments are those Megatron passes to any core attention (see
+    DotProductAttention); `backend` picks the DualKV attention backend (None: fastest available,
+    or the MEGATRON_DUALKV_ATTENTION_BACKEND environment variable).
+    forward: q [T, np, hn], k and v [T, ng, hn] (heads local to this TP rank) -> [T, np*hn].
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: Optional[str] = None,
+        **unused,
+    ):
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.backend = backend
+        self.pg_collection = pg_collection
+        if attention_type != "self":
+            raise ValueError(f"DualKVCoreAttention implements self attention only, got attention_type={attention_type!r}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"DualKVCoreAttention has no attention dropout (got attention_dropout={dropout}); "
+                "set TransformerConfig.attention_dropout=0.0 (GRPO policy updates use none)"
+            )
+        if config.context_parallel_size != 1:
+            raise NotImplementedError(
+                "DualKVCoreAttention does not implement context parallelism yet "
+                f"(context_parallel_size={config.context_parallel_size})"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"DualKVCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("DualKVCoreAttention does not support sliding-window attention (config.window_size)")
+        self.softmax_scale = megatron_softmax_scale(config, softmax_scale)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        **unused,
+    ) -> Tensor:
+        layout = getattr(packed_seq_params, "layout", None)
+        if layout is None:
+            raise ValueError(
+                "DualKVCoreAttention needs the micro-batch layout: call the model with "
+                "packed_seq_params=dualkv_packed_seq_params(layout) (or DualKVGPTModel(..., layout=layout)); "
+                f"got packed_seq_params={type(packed_seq_params).__name__}"
+            )
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"DualKVCoreAttention expects qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
+        if attention_bias is not None:
+            raise ValueError("DualKVCoreAttention does not support an attention bias")
+        out = dualkv_attention(query, key, value, layout, softmax_scale=self.softmax_scale, backend=self.backend)
+        return out.reshape(out.size(0), -1)

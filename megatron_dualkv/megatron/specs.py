@@ -1,0 +1,120 @@
+"""Layer and block specs for DualKV models: Megatron's GPT specs with the DualKV pieces swapped in.
+
+    spec = get_dualkv_decoder_block_spec(config)             # TE spec if TE imports, else local
+    spec = get_dualkv_decoder_block_spec(config, use_transformer_engine=False)
+    layer = get_dualkv_layer_spec(num_experts=8, qk_layernorm=True, normalization="RMSNorm")
+
+Each layer is exactly Megatron's (local or Transformer Engine) GPT layer, with
+`self_attention.submodules.core_attention = DualKVCoreAttention` and, for MoE layers, the router
+replaced by `DualKVTopKRouter`; nothing else changes, so parameters and state_dict keys are the
+stock model's. qk-layernorm (Qwen3) and RMSNorm come from the config like in Megatron.
+`get_replicated_decoder_block_spec` is the matching stock spec (the baseline for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .core_attention import DualKVCoreAttention
+from .router import DualKVTopKRouter
+
+
+def transformer_engine_available() -> bool:
+    """Whether Megatron can use Transformer Engine in this process."""
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+
+        return bool(getattr(te_ext, "HAVE_TE", False))
+    except Exception:  # TE missing or broken: use the local spec
+        return False
+
+
+def _resolve_te(use_transformer_engine: Optional[bool]) -> bool:
+    if use_transformer_engine is None:
+        return transformer_engine_available()
+    if use_transformer_engine and not transformer_engine_available():
+        raise ValueError("use_transformer_engine=True but Transformer Engine is not importable")
+    return bool(use_transformer_engine)
+
+
+def _with_dualkv_mlp(mlp):
+    """MoE layers: swap the router; dense MLPs are returned unchanged."""
+    if isinstance(mlp, functools.partial) and mlp.func is MoELayer and "submodules" in mlp.keywords:
+        sub = dataclasses.replace(mlp.keywords["submodules"], router=DualKVTopKRouter)
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
+    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+        return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, router=DualKVTopKRouter))
+    return mlp
+
+
+def dualkv_layer_spec_from(layer_spec: ModuleSpec, attention_backend: Optional[str] = None) -> ModuleSpec:
+    """A copy of a stock GPT layer spec with the DualKV core attention and router."""
+    sub = layer_spec.submodules
+    attn = sub.self_attention
+    core = DualKVCoreAttention if attention_backend is None else functools.partial(DualKVCoreAttention, backend=attention_backend)
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core))
+    sub = dataclasses.replace(sub, self_attention=attn, mlp=_with_dualkv_mlp(sub.mlp))
+    return dataclasses.replace(layer_spec, submodules=sub)
+
+
+def get_dualkv_layer_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    normalization: Optional[str] = None,
+    use_transformer_engine: Optional[bool] = None,
+    attention_backend: Optional[str] = None,
+) -> ModuleSpec:
+    """One DualKV GPT layer (dense when num_experts is None, else MoE)."""
+    if _resolve_te(use_transformer_engine):
+        stock = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm
+        )
+    else:
+        stock = get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
+            normalization=normalization,
+        )
+    return dualkv_layer_spec_from(stock, attention_backend)
+
+
+def get_replicated_decoder_block_spec(
+    config: TransformerConfig,
+    use_transformer_engine: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """Megatron's stock GPT block spec for `config` (dense or MoE per config.moe_layer_freq)."""
+    return get_gpt_decoder_block_spec(
+        config,
+        use_transformer_engine=_resolve_te(use_transformer_engine),
+        normalization=config.normalization,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )
+
+
+def get_dualkv_decoder_block_spec(
+    config: TransformerConfig,
+    use_transformer_engine: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+    attention_backend: Optional[str] = None,
+) -> TransformerBlockSubmodules:
+    """The DualKV block spec: the stock block spec with every layer made DualKV."""
+    block = get_replicated_decoder_block_spec(config, use_transformer_engine, vp_stage, pp_rank)
+    return dataclasses.replace(
+        block, layer_specs=[dualkv_layer_spec_from(s, attention_backend) for s in block.layer_specs]
+    )
