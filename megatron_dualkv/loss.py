@@ -63,7 +63,7 @@ class PolicyLossConfig:
     importance_correction: bool = False  # weight pg by exp(lp_old - lp_gen) (needs generation_logprobs)
     aggregation: str = "token"  # "token" or "sequence"
     entropy: Optional[str] = None  # None, "exact" (token_entropy given) or "sampled" (-w * lp)
-    check_finite: bool = True  # raise on NaN/inf inputs (one host sync per input)
+    check_finite: bool = True  # raise on NaN/inf inputs and bad masks (one host sync per input)
 
     def __post_init__(self):
         if not 0.0 <= self.clip_low < 1.0:
@@ -134,7 +134,7 @@ def _check_finite(x: Tensor, valid: Tensor, name: str, layout: PackedLayout, per
         raise ValueError(f"{name} has a non-finite value {float(x[i])} at {where} ({n} non-finite in all)")
 
 
-def _masks(batch: PolicyBatch, layout: PackedLayout, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _masks(batch: PolicyBatch, layout: PackedLayout, dtype: torch.dtype, check: bool = True) -> tuple[Tensor, Tensor]:
     """(edge weight [E], response weight [M]) as `dtype`, 0 where an edge or response is dropped."""
     E, M = layout.num_edges, layout.num_responses
     if batch.response_mask is not None:
@@ -147,7 +147,7 @@ def _masks(batch: PolicyBatch, layout: PackedLayout, dtype: torch.dtype) -> tupl
         edge = batch.loss_mask.to(layout.device, dtype)
     else:
         edge = torch.ones(E, dtype=dtype, device=layout.device)
-    for name, w in (("loss_mask", edge), ("response_mask", resp)):
+    for name, w in (("loss_mask", edge), ("response_mask", resp)) if check else ():
         if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
             raise ValueError(f"{name} must hold finite non-negative weights (bool or 0/1)")
     return edge * resp[layout.edge_response], resp
@@ -189,6 +189,9 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 def _as_normaliser(x: Optional[Number], local: Tensor, name: str) -> Tensor:
     if x is None:
+        if not float(local) > 0:
+            raise ValueError(f"this micro-batch has nothing to average over (every edge or response is masked) "
+                             f"and no {name} was given")
         x = local
     v = torch.as_tensor(x, dtype=torch.float64)
     if v.numel() != 1 or not bool(torch.isfinite(v)) or not float(v) > 0:
@@ -233,7 +236,7 @@ def policy_loss(
         _check_shape(x, E, name, "one per loss edge")
         return x.to(dev, dtype)
 
-    edge_w, resp_w = _masks(batch, layout, dtype)
+    edge_w, resp_w = _masks(batch, layout, dtype, check=config.check_finite)
     valid_edge, valid_resp = edge_w > 0, resp_w > 0
     old = edge_input(batch.old_logprobs, "old_logprobs")
     ref = edge_input(batch.ref_logprobs, "ref_logprobs", "kl_beta != 0" if config.kl_beta != 0 else None)
@@ -275,14 +278,14 @@ def policy_loss(
         is_w = torch.exp((lp.detach() if old is None else old) - gen)
         is_w = torch.nan_to_num(is_w, nan=0.0, posinf=0.0, neginf=0.0)
         pg = pg * is_w
+    # the KL is logged whenever reference logprobs are given, and enters the loss if kl_beta != 0
+    kl_tok = None if ref is None else k3_kl(lp, ref, config.kl_input_clamp, config.kl_output_clamp)
     if config.kl_beta != 0:
-        kl_tok = k3_kl(lp, ref, config.kl_input_clamp, config.kl_output_clamp)
         kl_w = torch.ones_like(kl_tok)
         if config.on_policy_kl_approximation:
             kl_w = torch.nan_to_num(torch.exp(lp - gen).detach(), nan=0.0, posinf=0.0, neginf=0.0)
         kl = config.kl_beta * kl_w * kl_tok
     else:
-        kl_tok = None
         kl = torch.zeros_like(pg)
 
     norm_t = norm.to(dev, dtype)

@@ -128,13 +128,13 @@ def replicated_loss(rep, cfg, global_valid_toks, global_valid_seqs):
         return masked_mean(masked_mean(x, token_mask, dim=-1), sample_mask, global_norm=global_valid_seqs)
 
     beta = cfg.get("beta", 0.0)
+    logr = (ref - curr).clamp(-20, 20)
+    k3 = (torch.exp(logr) - 1 - logr).clamp(-10, 10)
     if beta:
-        logr = (ref - curr).clamp(-20, 20)
-        k3 = (torch.exp(logr) - 1 - logr).clamp(-10, 10)
         w = torch.exp(curr - gen).detach().nan_to_num(0, 0, 0) if cfg.get("on_policy_kl") else torch.ones_like(curr)
         kl = aggregate(w * beta * k3)
     else:
-        k3, kl = None, torch.zeros((), dtype=F64)
+        kl = torch.zeros((), dtype=F64)
     ratios = torch.exp(curr - prev)
     clamped = ratios.clamp(1 - cfg["eps_low"], 1 + cfg["eps_high"])
     clip_loss = torch.max(-adv * ratios, -adv * clamped)
@@ -149,9 +149,8 @@ def replicated_loss(rep, cfg, global_valid_toks, global_valid_seqs):
         "clip_high": ((adv > 0) & (ratios > 1 + cfg["eps_high"]))[m].sum().item(),
         "clip_low": ((adv < 0) & (ratios < 1 - cfg["eps_low"]))[m].sum().item(),
         "num_tokens": mask.sum().item(),
+        "kl_mean": masked_mean(k3.detach(), mask).item(),  # logged even when beta = 0
     }
-    if k3 is not None:
-        metrics["kl_mean"] = masked_mean(k3.detach(), mask).item()
     return actor + kl, metrics
 
 
@@ -209,8 +208,7 @@ def test_loss_and_gradients_equal_the_replicated_batch(case, aggregation):
     assert math.isclose(s["ratio_mean"], ref_metrics["ratio_mean"], rel_tol=1e-7)
     assert s["ratio_min"] == pytest.approx(ref_metrics["ratio_min"], rel=1e-12)
     assert s["ratio_max"] == pytest.approx(ref_metrics["ratio_max"], rel=1e-12)
-    if "kl_mean" in ref_metrics:
-        assert math.isclose(s["kl_mean"], ref_metrics["kl_mean"], rel_tol=1e-7)
+    assert math.isclose(s["kl_mean"], ref_metrics["kl_mean"], rel_tol=1e-7)
     assert s["loss"] == pytest.approx(loss.item(), rel=1e-12)
     assert s["pg_loss"] + s["kl_loss"] == pytest.approx(loss.item(), rel=1e-12)
 
@@ -508,6 +506,27 @@ def test_missing_inputs_and_bad_normalisers(small):
                     global_num_responses=float("nan"))
     with pytest.raises(ValueError, match="loss_mask must hold finite non-negative"):
         policy_loss(d["lp"], PolicyBatch(advantages=d["adv"], loss_mask=-torch.ones(layout.num_edges)), layout)
+
+
+def test_fully_masked_micro_batch(small):
+    layout, d = small
+    batch = PolicyBatch(advantages=d["adv"], loss_mask=torch.zeros(layout.num_edges, dtype=torch.bool))
+    with pytest.raises(ValueError, match="nothing to average over"):
+        policy_loss(d["lp"], batch, layout)
+    # with a global count (other ranks have tokens) it contributes exactly zero, gradient included
+    lp = d["lp"].clone().requires_grad_(True)
+    loss, m = policy_loss(lp, batch, layout, global_num_tokens=10)
+    loss.backward()
+    assert loss.item() == 0 and (lp.grad == 0).all() and m["num_tokens"] == 0
+    assert m["ratio_min"] == float("inf") and m["ratio_max"] == float("-inf")
+
+
+def test_check_finite_off_skips_the_checks(small):
+    layout, d = small
+    adv = d["adv"].clone()
+    adv[0] = float("nan")
+    loss, _ = policy_loss(d["lp"], PolicyBatch(advantages=adv), layout, PolicyLossConfig(check_finite=False))
+    assert loss.isnan()
 
 
 @pytest.mark.parametrize("kwargs,match", [
