@@ -38,19 +38,8 @@ class DualKVPackedSeqParams(PackedSeqParams):
 
 
 def rotary_position_limit(layout: PackedLayout) -> int:
-    """1 + the largest rotary position of the layout, from host data (no device sync).
-
-    A segment's tokens sit at positions (sum of its ancestors' lengths) + 0..length-1.
-    """
-    seg = layout.segments
-    first_pos: list[int] = []
-    limit = 0
-    for s in range(seg.num_segments):
-        p = seg.host_parent[s]
-        start = 0 if p < 0 else first_pos[p] + seg.host_length[p]
-        first_pos.append(start)
-        limit = max(limit, start + seg.host_length[s])
-    return limit
+    """1 + the largest rotary position of the layout (one host sync per micro-batch, cached)."""
+    return layout.cached("rotary_position_limit", lambda: int(layout.position_ids.max().item()) + 1)
 
 
 def dualkv_packed_seq_params(layout: PackedLayout) -> DualKVPackedSeqParams:

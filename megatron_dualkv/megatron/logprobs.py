@@ -1,4 +1,4 @@
-"""Per-token logprobs (and entropy) from vocab-parallel logits, in float32.
+"""Per-token logprobs (and entropy) from vocab-parallel logits, in float32 (float64 for float64).
 
     lp, ent = vocab_parallel_logprobs(logits, targets, tp_group, with_entropy=True)
 
@@ -27,8 +27,8 @@ from torch import Tensor
 class EdgeLogprobs:
     """Per-response-token results in the layout's edge order."""
 
-    logprobs: Tensor  # float32 [E]
-    entropy: Optional[Tensor] = None  # float32 [E] when asked for
+    logprobs: Tensor  # float32 [E] (float64 for a float64 model)
+    entropy: Optional[Tensor] = None  # [E] when asked for
 
 
 def _all_reduce(x: Tensor, op, group) -> Tensor:
@@ -40,7 +40,7 @@ def _all_reduce(x: Tensor, op, group) -> Tensor:
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, group, with_entropy: bool):
-        z = logits.float()
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
         rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
         v_local = z.shape[-1]
         first = rank * v_local
@@ -90,7 +90,7 @@ def vocab_parallel_logprobs(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """log softmax(logits)[target] and optionally the entropy, over a vocabulary split on TP.
 
-    logits [E, V_local] (any float dtype, computed in float32), targets [E] int64 global ids.
+    logits [E, V_local] (computed in float32, or float64 for float64 logits), targets [E] int64 global ids.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [E, V_local] and targets [E]; got {tuple(logits.shape)} and {tuple(targets.shape)}")

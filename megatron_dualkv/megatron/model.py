@@ -138,7 +138,8 @@ def _edge_logprobs_output(*, hidden_states: Tensor, output_layer, output_weight,
         logits, _ = output_layer(rows, weight=output_weight, runtime_gather_output=False)
     finally:
         output_layer.sequence_parallel = sequence_parallel
-    logits = scale_logits(logits).squeeze(1).float()
+    logits = scale_logits(logits).squeeze(1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
     logprobs, entropy = vocab_parallel_logprobs(logits, layout.target_ids, tp_group, with_entropy)

@@ -85,7 +85,8 @@ def replicated_logprobs(
     )  # [M, S, V/tp] (vocab-parallel unless the model gathers)
     if tp_group is None:
         tp_group = model.pg_collection.tp
-    edge_logits = logits[batch.edge_row, batch.edge_col].float() / temperature  # [E, V/tp]
+    edge_logits = logits[batch.edge_row, batch.edge_col]  # [E, V/tp]
+    edge_logits = edge_logits.to(torch.promote_types(edge_logits.dtype, torch.float32)) / temperature
     if edge_logits.shape[-1] == model.vocab_size:  # gathered (or TP=1): plain log-softmax
         full = edge_logits
         logprobs = torch.log_softmax(full, dim=-1).gather(1, batch.target_ids[:, None]).squeeze(1)
