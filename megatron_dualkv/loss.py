@@ -125,11 +125,14 @@ def _check_shape(x: Tensor, n: int, name: str, what: str) -> None:
         raise ValueError(f"{name}: expected shape [{n}] ({what}), got {list(x.shape)}")
 
 
-def _check_finite(x: Tensor, valid: Tensor, name: str, layout: PackedLayout, per_edge: bool) -> None:
+def _check_finite(x: Tensor, valid: Tensor, name: str, layout: Union[PackedLayout, Tensor], per_edge: bool) -> None:
     bad = valid & ~torch.isfinite(x)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        where = _edge_label(layout, i) if per_edge else _response_label(layout, i)
+        if isinstance(layout, Tensor):  # group ids [M]
+            where = f"response {i} (group {int(layout[i])})"
+        else:
+            where = _edge_label(layout, i) if per_edge else _response_label(layout, i)
         n = int(bad.sum())
         raise ValueError(f"{name} has a non-finite value {float(x[i])} at {where} ({n} non-finite in all)")
 
@@ -398,7 +401,7 @@ BASELINES = ("mean", "leave_one_out")
 
 def group_advantages(
     rewards: Tensor,
-    layout: PackedLayout,
+    groups: Union[PackedLayout, Tensor],
     *,
     baseline: str = "mean",
     normalize_std: bool = True,
@@ -406,10 +409,12 @@ def group_advantages(
     eps: float = 1e-6,
     valid: Optional[Tensor] = None,
 ) -> Tensor:
-    """Per-response advantages [M] from rewards [M], normalised within each group of the layout.
+    """Per-response advantages [M] from rewards [M], normalised within each group.
 
-    baseline "mean":          A_m = r_m - mean of the group              (Dr.GRPO without std)
-             "leave_one_out": A_m = r_m - mean of the OTHER responses     (RLOO)
+    groups: a PackedLayout (its response_group) or group ids [M] (int, any order), e.g. for the
+    whole rollout batch before it is packed into micro-batches.
+    baseline "mean":          A_m = r_m - mean of the group          (GRPO; Dr. GRPO without std)
+             "leave_one_out": A_m = r_m - mean of the OTHER responses (RLOO)
     normalize_std: divide by (std + eps), the std of the rewards the baseline was taken from
     (the whole group for "mean" -- GRPO; the other responses for "leave_one_out" -- as NeMo-RL).
     Zero std (every reward of those equal): the advantage is left unscaled, never divided by eps;
@@ -422,7 +427,14 @@ def group_advantages(
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    M, G = layout.num_responses, layout.num_groups
+    if isinstance(groups, PackedLayout):
+        M, grp = groups.num_responses, groups.response_group
+    else:
+        if not isinstance(groups, Tensor) or groups.dim() != 1 or groups.is_floating_point():
+            raise ValueError("groups must be a PackedLayout or a 1-D integer tensor of group ids [M]")
+        M, grp = groups.numel(), groups
+        if M and int(grp.min()) < 0:
+            raise ValueError(f"group ids must be >= 0, got {int(grp.min())}")
     _check_shape(rewards, M, "rewards", "one per response")
     dtype = torch.promote_types(rewards.dtype, torch.float32) if rewards.is_floating_point() else torch.float32
     dev = rewards.device
@@ -433,10 +445,11 @@ def group_advantages(
         if bool(((w != 0) & (w != 1)).any()):
             raise ValueError("valid must be a boolean (or 0/1) mask over responses")
     r = rewards.to(dtype)
-    _check_finite(r, w > 0, "rewards", layout, per_edge=False)
+    _check_finite(r, w > 0, "rewards", groups, per_edge=False)
     r = torch.where(w > 0, r, torch.zeros((), dtype=dtype, device=dev))
 
-    grp = layout.response_group.to(dev)
+    grp = grp.to(dev, torch.int64)
+    G = int(grp.max()) + 1 if M else 0
     sums = lambda x: torch.zeros(G, dtype=dtype, device=dev).index_add(0, grp, x)
     n = sums(w)
     mu = sums(w * r) / n.clamp_min(1)  # group mean over valid responses

@@ -415,6 +415,21 @@ def test_group_advantages_mean_std_and_leave_one_out():
     assert loo_std[7].item() == pytest.approx(4.0)  # unscaled: 3 - (-1)
 
 
+def test_group_advantages_from_group_ids_equal_those_from_the_layout():
+    layout = build_layout(make_groups(12, [(2, [1, 1, 1, 1]), (3, [1, 1, 1]), (1, [1, 1])]))
+    r = torch.randn(9, dtype=F64)
+    ids = layout.response_group.clone()
+    perm = torch.randperm(9)  # group ids need not be contiguous
+    for baseline in ("mean", "leave_one_out"):
+        want = group_advantages(r, layout, baseline=baseline)
+        torch.testing.assert_close(group_advantages(r[perm], ids[perm], baseline=baseline), want[perm])
+    r[5] = float("inf")
+    with pytest.raises(ValueError, match=r"rewards has a non-finite value inf at response 5 \(group 1\)"):
+        group_advantages(r, ids)
+    with pytest.raises(ValueError, match="group ids"):
+        group_advantages(r, ids.double())
+
+
 def test_group_advantages_valid_mask_and_small_groups():
     layout = build_layout(make_groups(10, [(2, [1, 1, 1]), (2, [1])]))
     r = torch.tensor([1.0, 0.0, 7.0, 5.0], dtype=F64)
