@@ -191,7 +191,8 @@ class CudaPlacementOnCpu(TorchFunctionMode):
     Megatron creates bookkeeping tensors with `device="cuda"` or `torch.cuda.current_device()`
     (the token counter in the schedules, the causal mask, DDP's warm-up tensor, the optimizer's
     grad-norm buffers) and calls `.cuda()` on a few. A torch-function mode sees every torch call,
-    so it fixes all of these places at once without naming them.
+    so it fixes all of these places at once without naming them (and drops the CUDA-only
+    `Tensor.record_stream`). Modes are not active in autograd's backward; nothing there needs it.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -205,6 +206,23 @@ class CudaPlacementOnCpu(TorchFunctionMode):
         if func is torch.Tensor.record_stream:
             return None
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def all_to_all_split_sizes_as_lists() -> Iterator[None]:
+    """The alltoall token dispatcher hands all_to_all_single its split sizes as tensors that it
+    converts to numpy only when they live on CUDA; on a CPU they stay tensors, which gloo's
+    binding rejects. Lists of ints are what every backend accepts. (Patched on the module, not
+    in CudaPlacementOnCpu: torch-function modes are not active in autograd's backward, where the
+    dispatcher's transposed all-to-all runs.)"""
+    stock = dist.all_to_all_single
+    as_list = lambda x: x.tolist() if hasattr(x, "tolist") else x
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        return stock(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
+
+    with _patched(dist, "all_to_all_single", all_to_all_single):
+        yield
 
 
 @contextlib.contextmanager
@@ -283,6 +301,7 @@ def megatron_cpu_shims() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_runtime_as_cpu())
         stack.enter_context(sequence_parallel_torch_norm())
+        stack.enter_context(all_to_all_split_sizes_as_lists())
         stack.enter_context(CudaPlacementOnCpu())
         yield
 
