@@ -36,8 +36,9 @@ class ReplicatedBatch:
     target_ids: Tensor  # int64 [E]
 
 
-def replicated_batch(layout: PackedLayout, pad_token_id: int = 0) -> ReplicatedBatch:
-    """The replicated micro-batch of a layout, edges in the layout's order."""
+def replicated_batch(layout: PackedLayout, pad_token_id: int = 0, pad_to_multiple: int = 1) -> ReplicatedBatch:
+    """The replicated micro-batch of a layout, edges in the layout's order; the row length is
+    padded to a multiple of pad_to_multiple (sequence parallelism shards it over TP)."""
     seg = layout.segments
     ids = layout.input_ids.cpu()
     rows, edge_row, edge_col = [], [], []
@@ -51,6 +52,7 @@ def replicated_batch(layout: PackedLayout, pad_token_id: int = 0) -> ReplicatedB
             edge_row.extend([m] * seg.host_length[s])
             edge_col.extend(range(prefix - 1, row.numel() - 1))
     width = max(r.numel() for r in rows)
+    width += (-width) % pad_to_multiple
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
     padding = torch.ones(len(rows), width, dtype=torch.bool)
     for m, r in enumerate(rows):
@@ -79,7 +81,8 @@ def replicated_logprobs(
     tp_group=None,
 ) -> EdgeLogprobs:
     """Logprobs (and entropy) of the layout's edges from the stock model on the replicated batch."""
-    batch = replicated_batch(layout, pad_token_id)
+    cfg = model.config
+    batch = replicated_batch(layout, pad_token_id, cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1)
     logits = model(
         batch.input_ids, batch.position_ids, batch.attention_mask, padding_mask=batch.padding_mask
     )  # [M, S, V/tp] (vocab-parallel unless the model gathers)
