@@ -83,8 +83,11 @@ def replicated_logprobs(
     """Logprobs (and entropy) of the layout's edges from the stock model on the replicated batch."""
     cfg = model.config
     batch = replicated_batch(layout, pad_token_id, cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1)
+    # No padding mask when no row is padded: same result, and it avoids Megatron 0.19's
+    # expert-bias update, which cannot broadcast a padding mask against the routing map.
+    padding_mask = batch.padding_mask if bool(batch.padding_mask.any()) else None
     logits = model(
-        batch.input_ids, batch.position_ids, batch.attention_mask, padding_mask=batch.padding_mask
+        batch.input_ids, batch.position_ids, batch.attention_mask, padding_mask=padding_mask
     )  # [M, S, V/tp] (vocab-parallel unless the model gathers)
     if tp_group is None:
         tp_group = model.pg_collection.tp
