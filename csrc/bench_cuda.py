@@ -43,8 +43,8 @@ def main():
     quick = "--quick" in sys.argv
     hq, hkv, d = 32, 8, 128
     print(f"device: {torch.cuda.get_device_name()}")
-    print("| N | P | R | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| N | P | R | fwd mma ms | fwd sm90 ms | bwd ms | fwd+bwd ms | fwd mma TFLOP/s | fwd sm90 TFLOP/s | fwd+bwd TFLOP/s | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (2048, 1024):
         for n, p in SHAPES:
             seg = layout(n, p, r)
@@ -58,18 +58,21 @@ def main():
             cuda_backend.work_tensors(seg, q.device)
             reps = 1 if quick else 3
             torch.cuda.reset_peak_memory_stats()
+            f_ms = {}
             with torch.no_grad():
-                cuda_backend.forward(q, k, v, seg, scale)  # warm-up
-                f_ms = timed(lambda: cuda_backend.forward(q, k, v, seg, scale), reps)
+                for impl in ("mma", "sm90"):
+                    cuda_backend.forward(q, k, v, seg, scale, fwd_impl=impl)  # warm-up
+                    f_ms[impl] = timed(lambda: cuda_backend.forward(q, k, v, seg, scale, fwd_impl=impl), reps)
             def fb():
-                out = cuda_backend.attention(q, k, v, seg, scale)
+                out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl="sm90")
                 out.backward(do)
             fb()
             fb_ms = timed(fb, reps)
             peak = torch.cuda.max_memory_allocated() / 2**30
             fl = 4 * d * hq * pairs(n, p, r)
-            print(f"| {n} | {p} | {r} | {f_ms:.1f} | {fb_ms - f_ms:.1f} | {fb_ms:.1f} | {fl / f_ms / 1e9:.0f} | "
-                  f"{3.5 * fl / fb_ms / 1e9:.0f} | {peak:.1f} |", flush=True)
+            fm, fs = f_ms["mma"], f_ms["sm90"]
+            print(f"| {n} | {p} | {r} | {fm:.1f} | {fs:.1f} | {fb_ms - fs:.1f} | {fb_ms:.1f} | {fl / fm / 1e9:.0f} | "
+                  f"{fl / fs / 1e9:.0f} | {3.5 * fl / fb_ms / 1e9:.0f} | {peak:.1f} |", flush=True)
             del q, k, v, do
             q = k = v = None
             torch.cuda.empty_cache()

@@ -58,6 +58,8 @@ struct DkvArgs {
 };
 
 cudaError_t launch_fwd(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
+// Hopper forward (wgmma; row items built with 128-row query tiles)
+cudaError_t launch_fwd_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                        cudaStream_t stream);
 

@@ -1,6 +1,7 @@
 // Torch op registration for the DualKV kernels: namespace `megatron_dualkv`.
 //
-//   megatron_dualkv::fwd(q, k, v, row_work, scale) -> (out [T,Hq,D], lse [Hq,T] fp32)
+//   megatron_dualkv::fwd(q, k, v, row_work, scale) -> (out [T,Hq,D], lse [Hq,T] fp32)   (mma.sync)
+//   megatron_dualkv::fwd_sm90(...)  same, Hopper wgmma kernel (row items of 128-row tiles)
 //   megatron_dualkv::bwd(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
 //                        deterministic) -> (dq, dk, dv)
 //
@@ -44,8 +45,8 @@ void check_work(const at::Tensor& w, const at::Tensor& q, const char* what) {
 
 int dtype_code(const at::Tensor& q) { return q.scalar_type() == at::kBFloat16 ? mdkv::kBF16 : mdkv::kFP16; }
 
-std::tuple<at::Tensor, at::Tensor> dualkv_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                              const at::Tensor& row_work, double scale) {
+std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& row_work, double scale, bool sm90) {
   check_qkv(q, k, v);
   check_work(row_work, q, "row_work");
   TORCH_CHECK(row_work.dim() == 2 && row_work.size(1) == 8, "megatron_dualkv: row_work must be [items, 8]");
@@ -66,9 +67,22 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd(const at::Tensor& q, const at::Ten
   a.hkv = hkv;
   a.scale = static_cast<float>(scale);
   a.scale_log2 = static_cast<float>(scale * M_LOG2E);
-  auto err = mdkv::launch_fwd(a, dtype_code(q), d, at::cuda::getCurrentCUDAStream());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto err = sm90 ? mdkv::launch_fwd_sm90(a, dtype_code(q), d, stream) : mdkv::launch_fwd(a, dtype_code(q), d, stream);
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv fwd launch failed: ", cudaGetErrorString(err));
   return {out, lse};
+}
+
+// mma.sync kernel (sm_80 style), row items of 64-row query tiles
+std::tuple<at::Tensor, at::Tensor> dualkv_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& row_work, double scale) {
+  return fwd_impl(q, k, v, row_work, scale, false);
+}
+
+// Hopper wgmma kernel, row items of 128-row query tiles
+std::tuple<at::Tensor, at::Tensor> dualkv_fwd_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& row_work, double scale) {
+  return fwd_impl(q, k, v, row_work, scale, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd(const at::Tensor& dout_in, const at::Tensor& q,
@@ -154,6 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd(const at::Tensor& dout
 
 TORCH_LIBRARY(megatron_dualkv, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor row_work, float scale) -> (Tensor, Tensor)");
+  m.def("fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor row_work, float scale) -> (Tensor, Tensor)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor row_work, "
       "Tensor kv_work, Tensor kv_ranges, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
@@ -161,6 +176,7 @@ TORCH_LIBRARY(megatron_dualkv, m) {
 
 TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {
   m.impl("fwd", &dualkv_fwd);
+  m.impl("fwd_sm90", &dualkv_fwd_sm90);
   m.impl("bwd", &dualkv_bwd);
 }
 

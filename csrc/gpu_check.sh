@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device run: GPU tests of the CUDA kernels, then timings. Usage (device machine, repo root):
 #   bash csrc/gpu_check.sh [build]      (build: compile the extension there instead of carrying .gpu)
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 if [ "$1" = build ] || [ ! -f .gpu/build/_C.so ]; then

@@ -116,7 +116,7 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def build_work(segments: SegmentTable) -> tuple[list, list, list]:
+def build_work(segments: SegmentTable, row_tile: int = TILE) -> tuple[list, list, list]:
     """Host work lists: row items [q0, q1, self0, par0, par1, cost, 0, 0] (query tiles), kv items
     [k0, k1, seg_end, range_lo, range_hi, tiles_per_head, 0, 0] (key tiles), and kv ranges [q0, q1]
     (merged children of each root). Each list is sorted heaviest first (longest-processing-time
@@ -156,8 +156,8 @@ def build_work(segments: SegmentTable) -> tuple[list, list, list]:
         else:
             par0 = par1 = 0
         npar = _ceil(par1 - par0, TILE)
-        for q0 in range(a, end, TILE):
-            q1 = min(q0 + TILE, end)
+        for q0 in range(a, end, row_tile):
+            q1 = min(q0 + row_tile, end)
             rows.append((npar + _ceil(q1 - a, TILE), q0, q1, a, par0, par1))
         rlo, rhi = root_ranges.get(s, (0, 0))
         child_tiles = sum(_ceil(ranges[r][1] - ranges[r][0], TILE) for r in range(rlo, rhi))
@@ -172,15 +172,28 @@ def build_work(segments: SegmentTable) -> tuple[list, list, list]:
     return row_work, kv_work, kv_ranges
 
 
-def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """Device work lists for a layout; built once and cached on the SegmentTable."""
+def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Device work lists for a layout, built once and cached on the SegmentTable:
+    (row items of 64-row query tiles, row items of 128-row query tiles, kv items, kv ranges)."""
 
     def build():
         rw, kw, kr = build_work(segments)
+        rw128 = build_work(segments, row_tile=128)[0]
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))
-        return mk(rw), mk(kw), mk(kr)
+        return mk(rw), mk(rw128), mk(kw), mk(kr)
 
     return segments.cached(("cuda_backend_work", str(device)), build)
+
+
+FWD_IMPLS = ("sm90", "mma")
+_FWD_ENV = "MEGATRON_DUALKV_CUDA_FWD"
+
+
+def _fwd_impl(name: Optional[str]) -> str:
+    name = name or os.environ.get(_FWD_ENV) or "sm90"
+    if name not in FWD_IMPLS:
+        raise ValueError(f"unknown forward kernel {name!r}; choose one of {FWD_IMPLS}")
+    return name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,9 +209,11 @@ def _register_python_side() -> None:
         return
     _registered = True
 
-    @torch.library.register_fake("megatron_dualkv::fwd")
     def _fwd_fake(q, k, v, row_work, scale):
         return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    torch.library.register_fake("megatron_dualkv::fwd")(_fwd_fake)
+    torch.library.register_fake("megatron_dualkv::fwd_sm90")(_fwd_fake)
 
     @torch.library.register_fake("megatron_dualkv::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic):
@@ -207,8 +222,11 @@ def _register_python_side() -> None:
 
 class _DualKVFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, row_work, kv_work, kv_ranges, scale, deterministic):
-        out, lse = torch.ops.megatron_dualkv.fwd(q, k, v, row_work, scale)
+    def forward(ctx, q, k, v, row_work, row_work_fwd, kv_work, kv_ranges, scale, deterministic, sm90):
+        if sm90:
+            out, lse = torch.ops.megatron_dualkv.fwd_sm90(q, k, v, row_work_fwd, scale)
+        else:
+            out, lse = torch.ops.megatron_dualkv.fwd(q, k, v, row_work, scale)
         ctx.save_for_backward(q, k, v, out, lse, row_work, kv_work, kv_ranges)
         ctx.scale = scale
         ctx.deterministic = deterministic
@@ -224,7 +242,7 @@ class _DualKVFunction(torch.autograd.Function):
             dout.contiguous(), q, k, v, out, lse, None, row_work, kv_work, kv_ranges, ctx.scale,
             ctx.deterministic,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable) -> None:
@@ -245,15 +263,19 @@ def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable) -> None:
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,
-            deterministic: bool = False) -> tuple[Tensor, Tensor]:
-    """(out [T, Hq, D], lse [Hq, T] float32). Differentiable in q, k, v through `out`."""
+            deterministic: bool = False, fwd_impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """(out [T, Hq, D], lse [Hq, T] float32). Differentiable in q, k, v through `out`.
+
+    fwd_impl: "sm90" (wgmma, default) or "mma" (mma.sync); $MEGATRON_DUALKV_CUDA_FWD sets the default.
+    """
     _check(q, k, v, segments)
+    impl = _fwd_impl(fwd_impl)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    rw, kw, kr = work_tensors(segments, q.device)
-    return _DualKVFunction.apply(q, k, v, rw, kw, kr, scale, bool(deterministic))
+    rw, rw128, kw, kr = work_tensors(segments, q.device)
+    return _DualKVFunction.apply(q, k, v, rw, rw128, kw, kr, scale, bool(deterministic), impl == "sm90")
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,
-              deterministic: bool = False) -> Tensor:
+              deterministic: bool = False, fwd_impl: Optional[str] = None) -> Tensor:
     """out [T, Hq, D]; differentiable."""
-    return forward(q, k, v, segments, softmax_scale, deterministic)[0]
+    return forward(q, k, v, segments, softmax_scale, deterministic, fwd_impl)[0]
