@@ -356,3 +356,33 @@ def test_qwen3_configs():
         qwen3_config("70b")
     with pytest.raises(ValueError, match="unknown fields"):
         qwen3_config("tiny", not_a_field=1)
+
+
+def test_specs_swap_only_core_attention_and_router():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_dualkv.megatron import DualKVTopKRouter, get_dualkv_decoder_block_spec, get_dualkv_layer_spec
+    from megatron_dualkv.megatron.specs import get_replicated_decoder_block_spec
+
+    dense = get_dualkv_layer_spec(qk_layernorm=True, normalization="RMSNorm", use_transformer_engine=False)
+    assert dense.submodules.self_attention.submodules.core_attention is DualKVCoreAttention
+    moe = get_dualkv_layer_spec(num_experts=4, qk_layernorm=True, normalization="RMSNorm", use_transformer_engine=False)
+    assert moe.submodules.mlp.keywords["submodules"].router is DualKVTopKRouter
+    cfg = qwen3_config("tiny-moe").transformer
+    ours = get_dualkv_decoder_block_spec(cfg, use_transformer_engine=False)
+    stock = get_replicated_decoder_block_spec(cfg, use_transformer_engine=False)
+    for a, b in zip(ours.layer_specs, stock.layer_specs):
+        sa, sb = a.submodules, b.submodules
+        assert sa.self_attention.submodules.core_attention is DualKVCoreAttention
+        assert sb.mlp.keywords["submodules"].router is TopKRouter
+        assert sa.mlp.keywords["submodules"].router is DualKVTopKRouter
+        assert sa.self_attention.submodules.q_layernorm is sb.self_attention.submodules.q_layernorm
+        assert sa.input_layernorm is sb.input_layernorm and sa.pre_mlp_layernorm is sb.pre_mlp_layernorm
+    from megatron_dualkv.megatron import transformer_engine_available
+
+    if transformer_engine_available():  # the run-time choice picks TE, with our core attention
+        te = get_dualkv_decoder_block_spec(cfg)
+        assert all(s.submodules.self_attention.submodules.core_attention is DualKVCoreAttention for s in te.layer_specs)
+    else:
+        with pytest.raises(ValueError, match="Transformer Engine is not importable"):
+            get_dualkv_layer_spec(use_transformer_engine=True)

@@ -42,16 +42,20 @@ def rotary_position_limit(layout: PackedLayout) -> int:
     return layout.cached("rotary_position_limit", lambda: int(layout.position_ids.max().item()) + 1)
 
 
-def dualkv_packed_seq_params(layout: PackedLayout) -> DualKVPackedSeqParams:
+def dualkv_packed_seq_params(layout: PackedLayout, host_cu_seqlens: bool = True) -> DualKVPackedSeqParams:
     """The packed-sequence parameters Megatron's attention path needs for one DualKV micro-batch.
 
     cu_seqlens = [0, T]: Megatron sees one sequence, so its THD RoPE maps a [T, 1, 1, d] rotary
     table row by row onto the tokens; max_seqlen is the rotary position limit (the size of the
-    rotary table the model gathers per-token positions from). Cached on the layout.
+    rotary table the model gathers per-token positions from). host_cu_seqlens keeps cu_seqlens on
+    the CPU: Megatron's unfused THD RoPE reads it with .tolist()/.item() in every layer, which
+    would be a device sync each time; TE's fused RoPE (config.apply_rope_fusion) needs it on the
+    device. Cached on the layout.
     """
 
     def build() -> DualKVPackedSeqParams:
-        cu = torch.tensor([0, layout.num_tokens], dtype=torch.int32, device=layout.device)
+        device = "cpu" if host_cu_seqlens else layout.device
+        cu = torch.tensor([0, layout.num_tokens], dtype=torch.int32, device=device)
         limit = rotary_position_limit(layout)
         return DualKVPackedSeqParams(
             qkv_format="thd",
@@ -62,7 +66,7 @@ def dualkv_packed_seq_params(layout: PackedLayout) -> DualKVPackedSeqParams:
             layout=layout,
         )
 
-    return layout.cached("megatron_packed_seq_params", build)
+    return layout.cached(("megatron_packed_seq_params", host_cu_seqlens), build)
 
 
 def megatron_softmax_scale(config: TransformerConfig, softmax_scale: Optional[float]) -> float:

@@ -104,7 +104,7 @@ class DualKVGPTModel(GPTModel):
             input_ids,
             position_ids,
             attention_mask,
-            packed_seq_params=dualkv_packed_seq_params(layout),
+            packed_seq_params=dualkv_packed_seq_params(layout, host_cu_seqlens=not self.config.apply_rope_fusion),
             padding_mask=layout.padding_mask[None],
             output_processor=_edge_logprobs_output,
             output_processor_context=(layout, float(temperature), bool(with_entropy), self.pg_collection.tp),
