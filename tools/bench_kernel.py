@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Kernel benchmark: DualKV attention backends side by side on the published shapes.
+
+One group per micro-batch: a prompt of P tokens and N responses of R tokens, Hq=32, Hkv=8, d=128,
+bf16. For each shape and backend: forward, backward and forward+backward time (CUDA events,
+warm-up, median of repeated runs, fresh random inputs), useful TFLOP/s (attention FLOPs of the
+deduplicated problem from megatron_dualkv.flops; backward 2.5x and forward+backward 3.5x the
+forward) and peak GPU memory (inputs, outputs, gradients and workspace).
+
+Backends:
+  cuda         the fused DualKV kernel (megatron_dualkv.ops.cuda_backend), when available
+  flex-triton  FlexAttention with the DualKV block mask, Triton kernels, as the flex backend
+               runs it (one compilation for all lengths)
+  flex-flash   the same with the FLASH kernels (needs flash-attn-4)
+  flex-static  FlexAttention, Triton, compiled with static shapes for each length (how
+               FlexAttention is usually benchmarked; recompiles per shape) - not run by default
+  sdpa-flash   the REPLICATED batch (N sequences of P+R, causal) through SDPA's flash kernel
+  sdpa-cudnn   the same through SDPA's cuDNN kernel
+Replicated rows also give raw TFLOP/s (all replicated work). A replicated batch that does not
+fit is run in equal chunks of sequences; one chunk is timed and multiplied (noted "chunks=c").
+
+  python tools/bench_kernel.py                       # all shapes, default backends
+  python tools/bench_kernel.py --quick --out perf.md # ~2 minutes on an H100
+  python tools/bench_kernel.py --shapes 28x32768x2048,16x65536x1024 --backends flex-triton,sdpa-cudnn
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_dualkv.flops import FWD_BWD_FACTOR, attention_flops, group_pairs  # noqa: E402
+from megatron_dualkv.layout import SegmentTable  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+PUBLISHED_NP = [(28, 4096), (28, 16384), (16, 32768), (28, 32768), (16, 65536)]
+ALL_SHAPES = [(n, p, r) for r in (2048, 1024) for n, p in PUBLISHED_NP]
+QUICK_SHAPES = [(28, 4096, 2048), (28, 32768, 2048), (16, 65536, 2048)]
+DEFAULT_BACKENDS = ["cuda", "flex-triton", "flex-flash", "sdpa-flash", "sdpa-cudnn"]
+ALL_BACKENDS = DEFAULT_BACKENDS + ["flex-static"]
+GIB = 2 ** 30
+
+
+class Skip(Exception):
+    """A backend that cannot run here; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+
+def time_fwd_bwd(fwd, inputs, dout, warmup, reps):
+    """Median forward, backward and forward+backward ms over `reps` runs, and peak GiB.
+
+    Each run: event, forward (autograd on, as in training), event, backward via autograd.grad
+    (no gradient accumulation), event. Events are read after the loop.
+    """
+    for _ in range(warmup):
+        out = fwd()
+        torch.autograd.grad(out, inputs, dout)
+        del out
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    marks = []
+    for _ in range(reps):
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        e[0].record()
+        out = fwd()
+        e[1].record()
+        grads = torch.autograd.grad(out, inputs, dout)
+        e[2].record()
+        del out, grads
+        marks.append(e)
+    torch.cuda.synchronize()
+    f = statistics.median(a.elapsed_time(b) for a, b, _ in marks)
+    b = statistics.median(b_.elapsed_time(c) for _, b_, c in marks)
+    fb = statistics.median(a.elapsed_time(c) for a, _, c in marks)
+    return f, b, fb, torch.cuda.max_memory_allocated() / GIB
+
+
+def randn(*shape):
+    return torch.randn(*shape, device="cuda", dtype=DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------
+# backends
+# ---------------------------------------------------------------------------------------------
+
+
+def group_segments(n, p, r) -> SegmentTable:
+    start = [0] + [p + i * r for i in range(n)]
+    return SegmentTable.from_host(start, [p] + [r] * n, [-1] + [0] * n, device="cuda")
+
+
+def run_packed(name, shape, warmup, reps, state):
+    """cuda / flex-* on the packed micro-batch [P | R_1 | ... | R_N]."""
+    n, p, r = shape
+    seg = group_segments(n, p, r)
+    t = seg.num_tokens
+    q, k, v = randn(t, HQ, D), randn(t, HKV, D), randn(t, HKV, D)
+    for x in (q, k, v):
+        x.requires_grad_()
+    dout = randn(t, HQ, D)
+    scale = 1.0 / math.sqrt(D)
+    notes = []
+
+    if name == "cuda":
+        try:
+            from megatron_dualkv.ops import cuda_backend
+        except ImportError as exc:
+            raise Skip(f"cuda_backend not importable ({exc})")
+        try:
+            ok, why = cuda_backend.is_available(q)
+        except TypeError:
+            ok, why = cuda_backend.is_available()
+        if not ok:
+            raise Skip(why)
+        fwd = lambda: cuda_backend.attention(q, k, v, seg, scale)  # noqa: E731
+    elif name in ("flex-triton", "flex-flash"):
+        from megatron_dualkv.ops import flex_backend
+
+        ok, why = flex_backend.is_available(q)
+        if not ok:
+            raise Skip(why)
+        kernel = "FLASH" if name == "flex-flash" else "TRITON"
+        if kernel == "FLASH" and not flex_backend.flash_installed():
+            raise Skip("flash-attn-4 (flash_attn.cute) not installed")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        flex_backend.cached_block_mask(seg)
+        torch.cuda.synchronize()
+        notes.append(f"mask {1e3 * (time.perf_counter() - t0):.0f} ms")
+        fwd = lambda: flex_backend.attention(q, k, v, seg, scale, kernel=kernel)  # noqa: E731
+    elif name == "flex-static":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from megatron_dualkv.ops import flex_backend
+
+        torch._dynamo.reset()  # a fresh static compile for this length, as a per-shape benchmark does
+        static = torch.compile(flex_attention, dynamic=False)
+        padded, mask = flex_backend.cached_block_mask(seg)
+        if padded.num_tokens != t:
+            raise Skip("static variant only for block-multiple lengths")
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        fwd = lambda: static(qh, kh, vh, block_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)  # noqa: E731
+    else:
+        raise ValueError(name)
+
+    # first call: compilation (flex) / first launch; recompiles show in the graph counter
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fwd()
+    torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    del out
+    new_graphs = counters["stats"]["unique_graphs"] - graphs
+    if name.startswith("flex"):
+        notes.append(f"1st call {first:.1f} s, {new_graphs} new graph(s)")
+        state.setdefault("compiles", []).append((name, shape, first, new_graphs))
+    f, b, fb, peak = time_fwd_bwd(fwd, (q, k, v), dout, warmup, reps)
+    return dict(fwd=f, bwd=b, fb=fb, peak=peak, notes=notes)
+
+
+def _sdpa_kernel(name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION])
+
+
+def _run_replicated_chunk(name, seqs, length, warmup, reps, gqa):
+    q = randn(seqs, HQ, length, D).requires_grad_()
+    if gqa:
+        k, v = randn(seqs, HKV, length, D).requires_grad_(), randn(seqs, HKV, length, D).requires_grad_()
+    else:  # expanded K/V for kernels without grouped-query support
+        k, v = randn(seqs, HQ, length, D).requires_grad_(), randn(seqs, HQ, length, D).requires_grad_()
+    dout = randn(seqs, HQ, length, D)
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    with _sdpa_kernel(name):  # the backward runs the kernel family the forward chose
+        return time_fwd_bwd(fwd, (q, k, v), dout, warmup, reps)
+
+
+def run_replicated(name, shape, warmup, reps, state):
+    """sdpa-* on the replicated batch: N causal sequences of P+R tokens."""
+    n, p, r = shape
+    notes = []
+    gqa = state.get(("gqa", name), True)
+    chunks_options = [c for c in range(1, n + 1) if n % c == 0]
+    last_exc = None
+    for chunks in chunks_options:
+        try:
+            try:
+                f, b, fb, peak = _run_replicated_chunk(name, n // chunks, p + r, warmup, reps, gqa)
+            except RuntimeError as exc:
+                if gqa and "OutOfMemory" not in type(exc).__name__ and "out of memory" not in str(exc):
+                    # no grouped-query support in this kernel: expand K/V instead
+                    state[("gqa", name)] = gqa = False
+                    notes.append("K/V expanded (kernel lacks GQA)")
+                    torch.cuda.empty_cache()
+                    f, b, fb, peak = _run_replicated_chunk(name, n // chunks, p + r, warmup, reps, gqa)
+                else:
+                    raise
+        except torch.OutOfMemoryError as exc:
+            last_exc = exc
+            torch.cuda.empty_cache()
+            continue
+        if chunks > 1:
+            notes.append(f"chunks={chunks} (one timed, x{chunks}; peak of one)")
+        return dict(fwd=f * chunks, bwd=b * chunks, fb=fb * chunks, peak=peak, notes=notes)
+    raise last_exc
+
+
+# ---------------------------------------------------------------------------------------------
+# table
+# ---------------------------------------------------------------------------------------------
+
+
+COLUMNS = ["N", "P", "R", "T packed", "backend", "fwd ms", "bwd ms", "fwd+bwd ms",
+           "fwd TF/s", "bwd TF/s", "fwd+bwd TF/s", "raw fwd+bwd TF/s", "peak GiB", "notes"]
+
+
+def row_for(shape, backend, res):
+    n, p, r = shape
+    dedup, repl = group_pairs(p, [r] * n)
+    fwd_flops = attention_flops(dedup, HQ, D)
+    base = [n, p, r, p + n * r, backend]
+    if "status" in res:
+        return base + [res["status"]] + [""] * (len(COLUMNS) - len(base) - 2) + [res.get("why", "")]
+    raw = ""
+    if backend.startswith("sdpa"):
+        raw = f"{attention_flops(repl, HQ, D) * FWD_BWD_FACTOR / (res['fb'] * 1e-3) / 1e12:.0f}"
+    return base + [
+        f"{res['fwd']:.2f}", f"{res['bwd']:.2f}", f"{res['fb']:.2f}",
+        f"{fwd_flops / (res['fwd'] * 1e-3) / 1e12:.0f}",
+        f"{fwd_flops * (FWD_BWD_FACTOR - 1) / (res['bwd'] * 1e-3) / 1e12:.0f}",
+        f"{fwd_flops * FWD_BWD_FACTOR / (res['fb'] * 1e-3) / 1e12:.0f}",
+        raw, f"{res['peak']:.1f}", "; ".join(res["notes"]),
+    ]
+
+
+def markdown(rows):
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_shapes(text):
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().replace(":", "x").split("x")
+        if len(parts) != 3:
+            raise SystemExit(f"--shapes: {item!r} is not NxPxR")
+        shapes.append(tuple(int(x) for x in parts))
+    return shapes
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", help="comma-separated NxPxR (default: the 10 published shapes)")
+    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma-separated, from {ALL_BACKENDS}")
+    ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, fewer repetitions (~2 min on an H100)")
+    ap.add_argument("--reps", type=int, help="timed runs per measurement (default 10, quick 5; replicated SDPA: half)")
+    ap.add_argument("--warmup", type=int, help="untimed runs before timing (default 3, quick 2; replicated SDPA: 1)")
+    ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
+    ap.add_argument("--out", help="also write the markdown table (with device, versions, command) here")
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernel.py needs a CUDA GPU")
+    shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else ALL_SHAPES)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in ALL_BACKENDS:
+            raise SystemExit(f"--backends: unknown {b!r}; choose from {ALL_BACKENDS}")
+    reps = args.reps or (5 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+
+    props = torch.cuda.get_device_properties(0)
+    header = [
+        f"device: {props.name} ({props.total_memory / GIB:.0f} GiB, {props.multi_processor_count} SMs); "
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}",
+        f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        "command: python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        f"Hq={HQ} Hkv={HKV} d={D} {str(DTYPE).replace('torch.', '')}; warm-up {warmup}, median of {reps} "
+        f"(replicated SDPA: warm-up 1, median of {max(2, reps // 2)}); useful TF/s = dedup attention FLOPs / time",
+    ]
+    print("\n".join(header), flush=True)
+    torch.manual_seed(0)
+    state: dict = {}
+    rows = []
+    started = time.perf_counter()
+    for shape in shapes:
+        for backend in backends:
+            if args.budget_s and time.perf_counter() - started > args.budget_s:
+                res = {"status": "skipped", "why": "time budget"}
+            else:
+                t0 = time.perf_counter()
+                try:
+                    if backend.startswith("sdpa"):
+                        res = run_replicated(backend, shape, 1, max(2, reps // 2), state)
+                    else:
+                        res = run_packed(backend, shape, warmup, reps, state)
+                except Skip as exc:
+                    res = {"status": "n/a", "why": str(exc)}
+                except torch.OutOfMemoryError:
+                    res = {"status": "OOM", "why": "out of GPU memory"}
+                except Exception as exc:  # report and go on: one backend's failure is a result too
+                    traceback.print_exc()
+                    res = {"status": "error", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                torch.cuda.empty_cache()
+                print(f"  [{time.perf_counter() - t0:6.1f}s] {shape} {backend}: "
+                      + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms, fwd+bwd {res['fb']:.2f} ms"), flush=True)
+            rows.append(row_for(shape, backend, res))
+    table = markdown(rows)
+    print()
+    print(table)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(f"- {h}" for h in header) + "\n\n" + table + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
