@@ -31,6 +31,7 @@ def random_records(seed=0, n=6, vocab=300, full=True):
                 rewards=rng.normal(size=k), advantages=rng.normal(size=k),
                 old_logprobs=[-rng.exponential(size=int(r)) for r in lens],
                 ref_logprobs=[-rng.exponential(size=int(r)) for r in lens],
+                generation_logprobs=[-rng.exponential(size=int(r)) for r in lens],
                 loss_mask=[rng.integers(0, 2, size=int(r)) for r in lens],
             )
         out.append(RolloutGroup(f"g{g}", rng.integers(0, vocab, size=p), [rng.integers(0, vocab, size=int(r)) for r in lens], **kw))
@@ -71,7 +72,7 @@ def test_parquet_round_trip_rounds_only_token_logprobs_to_float32(tmp_path):
     for a, b in zip(recs, back):
         assert (b.group_id, b.prompt, b.responses, b.rewards, b.advantages, b.loss_mask) == \
                (a.group_id, a.prompt, a.responses, a.rewards, a.advantages, a.loss_mask)
-        for name in ("old_logprobs", "ref_logprobs"):
+        for name in ("old_logprobs", "ref_logprobs", "generation_logprobs"):
             x, y = getattr(a, name), getattr(b, name)
             if x is None:
                 assert y is None
@@ -127,6 +128,7 @@ BASE = dict(group_id="g7", prompt=[1, 2, 3], responses=[[4, 5], [6]])
         (dict(old_logprobs=[[-1.0, math.nan], [-1.0]]), "group 'g7': old_logprobs[0]: value 1 is nan"),
         (dict(ref_logprobs=[[-1.0, -1.0], [-math.inf]]), "group 'g7': ref_logprobs[1]: value 0 is -inf"),
         (dict(old_logprobs=[[-1.0, 0.7], [-1.0]]), "old_logprobs[0]: value 1 is 0.7, a log-probability must be <= 0"),
+        (dict(generation_logprobs=[[-1.0, -1.0], [1.0]]), "generation_logprobs[1]: value 0 is 1.0, a log-probability"),
         (dict(loss_mask=[[1, 1], [1, 0]]), "group 'g7': loss_mask[1]: has 2 values but responses[1] has 1"),
         (dict(loss_mask=[[1, 2], [1]]), "group 'g7': loss_mask[0]: value 1 is 2, the loss mask holds 0 or 1"),
     ],

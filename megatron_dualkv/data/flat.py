@@ -31,6 +31,7 @@ DEFAULT_KEYS = {
     "advantages": "advantage",
     "old_logprobs": "old_logprobs",
     "ref_logprobs": "ref_logprobs",
+    "generation_logprobs": "generation_logprobs",
     "loss_mask": "loss_mask",
 }
 
@@ -117,7 +118,7 @@ def groups_from_flat(flat: Any, *, keys: Optional[Mapping[str, str]] = None) -> 
         except LayoutError as exc:
             raise RolloutError(f"{where}{exc} (rows are numbered inside the group)") from None
         fields: dict[str, Any] = {}
-        for field in ("rewards", "advantages", "old_logprobs", "ref_logprobs", "loss_mask"):
+        for field in ("rewards", "advantages", "old_logprobs", "ref_logprobs", "generation_logprobs", "loss_mask"):
             k = keys[field]
             have = [k in rows[i] and rows[i][k] is not None for i in idx]
             if any(have) and not all(have):

@@ -5,7 +5,7 @@ validate every record (errors name the file, the line or row, the group and the 
 that group ids are unique. pyarrow is imported only when a Parquet file is touched.
 
 Parquet column types: prompt list<int32>, responses list<list<int32>>, rewards and advantages
-list<float64>, old_logprobs and ref_logprobs list<list<float32>> (log-probabilities come from
+list<float64>, old/ref/generation_logprobs list<list<float32>> (log-probabilities come from
 bf16/fp32 models; float32 halves the file), loss_mask list<list<int8>>; absent fields are null.
 """
 
@@ -80,6 +80,7 @@ def _arrow_schema():
             pa.field("advantages", pa.list_(pa.float64())),
             pa.field("old_logprobs", pa.list_(pa.list_(pa.float32()))),
             pa.field("ref_logprobs", pa.list_(pa.list_(pa.float32()))),
+            pa.field("generation_logprobs", pa.list_(pa.list_(pa.float32()))),
             pa.field("loss_mask", pa.list_(pa.list_(pa.int8()))),
         ],
         metadata={SCHEMA_NAME: SCHEMA_VERSION},

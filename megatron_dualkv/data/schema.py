@@ -20,9 +20,9 @@ from ..layout import Group
 
 # Keys of a record, in file order. Only group_id, prompt and responses are required.
 REQUIRED_FIELDS = ("group_id", "prompt", "responses")
-OPTIONAL_FIELDS = ("rewards", "advantages", "old_logprobs", "ref_logprobs", "loss_mask")
+OPTIONAL_FIELDS = ("rewards", "advantages", "old_logprobs", "ref_logprobs", "generation_logprobs", "loss_mask")
 ALL_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
-PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "loss_mask")
+PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "generation_logprobs", "loss_mask")
 PER_RESPONSE_FIELDS = ("rewards", "advantages")
 
 # A log-probability above 0 is not one (probabilities or logits passed by mistake); allow for the
@@ -138,11 +138,12 @@ class RolloutGroup:
     advantages: Optional[tuple[float, ...]] = None
     old_logprobs: Optional[tuple[tuple[float, ...], ...]] = None
     ref_logprobs: Optional[tuple[tuple[float, ...], ...]] = None
+    generation_logprobs: Optional[tuple[tuple[float, ...], ...]] = None
     loss_mask: Optional[tuple[tuple[int, ...], ...]] = None
 
     def __init__(self, group_id: Any, prompt: Any, responses: Any, rewards: Any = None,
                  advantages: Any = None, old_logprobs: Any = None, ref_logprobs: Any = None,
-                 loss_mask: Any = None, *, where: str = ""):
+                 generation_logprobs: Any = None, loss_mask: Any = None, *, where: str = ""):
         c = _Checker(where, group_id)
         if group_id is None or (isinstance(group_id, str) and not group_id):
             raise c.fail("group_id", "missing (every group needs an id)")
@@ -189,6 +190,7 @@ class RolloutGroup:
             advantages=per_response_numbers(advantages, "advantages"),
             old_logprobs=per_token(old_logprobs, "old_logprobs", "logprob"),
             ref_logprobs=per_token(ref_logprobs, "ref_logprobs", "logprob"),
+            generation_logprobs=per_token(generation_logprobs, "generation_logprobs", "logprob"),
             loss_mask=per_token(loss_mask, "loss_mask", "mask"),
         )
         for k, v in values.items():
