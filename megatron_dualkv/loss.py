@@ -411,8 +411,9 @@ def group_advantages(
 ) -> Tensor:
     """Per-response advantages [M] from rewards [M], normalised within each group.
 
-    groups: a PackedLayout (its response_group) or group ids [M] (int, any order), e.g. for the
-    whole rollout batch before it is packed into micro-batches.
+    groups: a PackedLayout (its response_group) or group ids [M] (int, any order). Compute them
+    over the whole rollout batch, before packing: a packer that splits a large group over
+    micro-batches would leave each micro-batch's layout with only part of the group.
     baseline "mean":          A_m = r_m - mean of the group          (GRPO; Dr. GRPO without std)
              "leave_one_out": A_m = r_m - mean of the OTHER responses (RLOO)
     normalize_std: divide by (std + eps), the std of the rewards the baseline was taken from
