@@ -505,3 +505,27 @@ class GlooWorkers:
                 detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
                 raise WorkerError(f"{name} failed on rank(s) {sorted(errors)}:\n{detail}")
         return [results[r] for r in range(len(conns))]
+
+
+# ------------------------------------------------------------------------------------------------
+# Activation recomputation (added for tests/test_megatron_model.py)
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cuda_rng_state_on_cpu() -> Iterator[None]:
+    """Megatron's activation recomputation (tensor_parallel.checkpoint, the RNG tracker's fork)
+    saves and restores the CUDA generator state, which initialises CUDA. On a CPU there is no
+    such state: getting returns an empty tensor and setting does nothing (tests use no dropout,
+    so recomputation draws no random numbers)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        return None
+
+    with _patched(megatron_random, "_get_cuda_rng_state", get_state), \
+            _patched(megatron_random, "_set_cuda_rng_state", set_state):
+        yield

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_cpu import cuda_runtime_as_cpu, free_port, model_parallel
+from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, free_port, model_parallel
 
 from megatron_dualkv import Group, SegmentTable, build_layout
 from megatron_dualkv.megatron import (
@@ -41,7 +41,7 @@ def pgs():
     if own:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        with cuda_runtime_as_cpu(), model_parallel(tp=1) as collection:
+        with cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
             yield collection
     finally:
         if own:
@@ -226,6 +226,21 @@ def test_moe_expert_bias_counts_and_sigmoid_router_match_replicated(pgs):
     (out.logprobs * w).sum().backward()
     (ref.logprobs * w).sum().backward()
     _assert_grads_equal(model, base, **FP32)
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+    ],
+    ids=["full", "selective"],
+)
+def test_activation_recomputation_keeps_equality(pgs, recompute):
+    """Recomputed layers read the layout (attention) and token weights (router) again in backward."""
+    model, base = _pair(pgs, "tiny-moe", **recompute)
+    layout = build_layout(_groups(11), vocab_size=VOCAB, pad_to_multiple=8)
+    _compare(model, base, layout, **FP32)
 
 
 # ------------------------------------------------------------------------------------------------
