@@ -120,7 +120,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    tol = {"float32": 1e-4, "float64": 1e-10}[args.dtype]
+    # float32: rounding of the two summation orders. float64: exact to 1e-10, except that
+    # Megatron's top-k router takes its softmax in float32 even in a float64 model.
+    tols = {"float32": {"tiny": 1e-4, "tiny-moe": 1e-4}, "float64": {"tiny": 1e-10, "tiny-moe": 1e-6}}[args.dtype]
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
     groups, adv = pick_groups(args.groups, args.rollouts, 512)
@@ -140,12 +142,12 @@ def main() -> int:
         for size in ("tiny", "tiny-moe"):
             r = compare(size, groups, adv, dtype, args.device, pgs)
             assert attended_pairs(r["layout"]) == dedup_pairs
-            good = max(r["logprob_max_abs"], r["loss_abs"], r["grad_max_rel"]) < tol
+            good = max(r["logprob_max_abs"], r["loss_abs"], r["grad_max_rel"]) < tols[size]
             ok &= good
-            rows.append((size, r, good))
+            rows.append((size, r, good, tols[size]))
     print()
     print(f"{'model':<10} {'max|dlogprob|':>14} {'|dloss|':>10} {'max rel dgrad':>14} {'params':>7} {'loss':>10} {'s dualkv/repl':>14}  equal?")
-    for size, r, good in rows:
+    for size, r, good, tol in rows:
         print(f"{size:<10} {r['logprob_max_abs']:>14.2e} {r['loss_abs']:>10.2e} {r['grad_max_rel']:>14.2e} {r['num_params']:>7} "
               f"{r['loss']:>10.5f} {r['seconds'][0]:>6.2f}/{r['seconds'][1]:<6.2f}  {'yes' if good else 'NO'} (tol {tol:g})")
     print("\nDualKV " + ("matches" if ok else "DOES NOT match") + " the replicated batch (logprobs, GRPO loss, every parameter gradient).")
