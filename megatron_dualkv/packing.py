@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .data.advantages import AdvantageEstimator, compute_advantages
 from .data.schema import RolloutGroup, check_unique_ids
-from .flops import attended_pairs, group_pairs
+from .flops import attended_pairs, attention_flops, group_pairs
 from .layout import Group, PackedLayout, build_layout
 
 
@@ -91,6 +91,16 @@ class PackingConfig:
 
     def work(self, tokens: int, pairs: int) -> float:
         return self.work_per_token * tokens + self.work_per_pair * pairs
+
+
+def flop_work_weights(num_layers: int, num_q_heads: int, head_dim: int, active_params: float) -> dict[str, float]:
+    """work_per_token / work_per_pair as forward+backward FLOPs, for PackingConfig(**weights).
+
+    A token costs 6 FLOPs per active (non-embedding) parameter it passes through (2 forward, 4
+    backward); an attended (query, key) pair costs `flops.attention_flops(1, ...)` fwd+bwd per layer.
+    """
+    return {"work_per_token": 6.0 * active_params,
+            "work_per_pair": num_layers * attention_flops(1, num_q_heads, head_dim, backward=True)}
 
 
 # --------------------------------------------------------------------------------------------

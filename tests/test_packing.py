@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from megatron_dualkv.data import DEFAULT_ROLLOUTS, AdvantageEstimator, RolloutGroup, compute_advantages, read_rollouts
-from megatron_dualkv.flops import attended_pairs, group_pairs
+from megatron_dualkv.flops import attended_pairs, attention_flops, group_pairs
 from megatron_dualkv.layout import LayoutError
 from megatron_dualkv.loss import PolicyBatch
 from megatron_dualkv.packing import (
-    PackingConfig, build_micro_batches, pack_rollouts, plan_packing, scatter_to_records,
+    PackingConfig, build_micro_batches, flop_work_weights, pack_rollouts, plan_packing, scatter_to_records,
 )
 
 
@@ -286,8 +286,10 @@ def test_realistic_shapes_balance_and_fill():
     records = [RolloutGroup(f"q{g}", np.zeros(int(rng.integers(64, 513)), dtype=np.int64),
                             [np.zeros(int(x), dtype=np.int64) for x in rng.integers(16, 1025, size=8)])
                for g in range(256)]
-    cfg = PackingConfig(max_tokens=8192, dp_size=8, pad_to_multiple=8, work_per_token=1.0, work_per_pair=1e-3,
-                        advantage=None)
+    # balance forward+backward FLOPs of a Qwen3-8B-shaped model (36 layers, 32 heads of 128, ~7e9 params)
+    weights = flop_work_weights(num_layers=36, num_q_heads=32, head_dim=128, active_params=6.95e9)
+    assert weights == {"work_per_token": 6 * 6.95e9, "work_per_pair": 36 * attention_flops(1, 32, 128, backward=True)}
+    cfg = PackingConfig(max_tokens=8192, dp_size=8, pad_to_multiple=8, advantage=None, **weights)
     plan = plan_packing(records, cfg)
     mb_work = [w for rank in plan.micro_batch_work() for w in rank]
     s = plan.summary()
@@ -299,3 +301,32 @@ def test_realistic_shapes_balance_and_fill():
     bound = max(-(-s["tokens"] // cfg.max_tokens), sum(2 * pc.tokens > cfg.max_tokens for pc in pieces))
     assert len(mb_work) <= 1.1 * cfg.dp_size * -(-bound // cfg.dp_size)
     assert s["split_groups"] == 0  # every group fits: none is split (no prompt copied)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_loss_summed_over_ranks_and_micro_batches_equals_one_micro_batch(aggregation):
+    """The per-edge signals line up with the edges: however the groups are packed and split, the
+    loss over all micro-batches (global normalisers) is the loss of one micro-batch holding all."""
+    from megatron_dualkv.loss import PolicyLossConfig, count_valid, policy_loss
+
+    records = make_records(8, 12)
+    gen = torch.Generator().manual_seed(0)
+    new = [[torch.tensor(lp, dtype=torch.float64) + 0.3 * torch.randn(len(lp), generator=gen, dtype=torch.float64)
+            for lp in rec.old_logprobs] for rec in records]
+    loss_cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_beta=0.05, aggregation=aggregation,
+                                importance_correction=True)
+
+    def total(cfg):
+        mbs = all_micro_batches(pack_rollouts(records, cfg))
+        lps = [torch.cat([new[rec][i] for rec, i in mb.response_source]) for mb in mbs]
+        counts = [count_valid(mb.policy_batch(), mb.layout) for mb in mbs]
+        glob = {k: sum(c[k] for c in counts) for k in counts[0]}
+        return len(mbs), sum(policy_loss(lp, mb.policy_batch(), mb.layout, loss_cfg,
+                                         global_num_tokens=glob["num_tokens"],
+                                         global_num_responses=glob["num_responses"])[0]
+                             for lp, mb in zip(lps, mbs))
+
+    n_one, one = total(PackingConfig(max_tokens=4096, seed=1))
+    n_many, many = total(PackingConfig(max_tokens=72, dp_size=3, pad_to_multiple=4, seed=2))
+    assert n_one == 1 and n_many >= 6
+    torch.testing.assert_close(many, one, rtol=1e-6, atol=1e-7)
