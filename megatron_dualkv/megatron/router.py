@@ -104,6 +104,21 @@ class DualKVTopKRouter(TopKRouter):
         global_tpe = reduce_from_tensor_model_parallel_region(local_tpe, group)
         return scores * w[:, None].to(scores.dtype), global_tpe, w.sum(), global_tpe.sum() / self.topk
 
+    def _tp_cp_mean_count(self, local_n: Tensor) -> Tensor:
+        """The weighted token count per TP x CP rank, the same on every rank of the group.
+
+        With calculate_per_token_loss, Megatron scales a rank's aux-loss gradient by
+        valid_token_count * tp_cp_size, assuming every rank of the group holds the same number
+        of tokens (sequence-parallel shards of equal size). Weighted counts differ between the
+        shards (prompt tokens weigh N), and the rank-local count would give each shard's partial
+        router gradient a different scale; the group mean gives them all the scale of TP=1."""
+        size = self.tp_cp_group.size()
+        if size == 1:
+            return local_n
+        total = local_n.detach().clone()
+        torch.distributed.all_reduce(total, group=self.tp_cp_group)
+        return total / size
+
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         coeff = self.get_aux_loss_coeff("aux_loss")
         if self._layout is None or coeff == 0:
@@ -114,7 +129,8 @@ class DualKVTopKRouter(TopKRouter):
             num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=coeff, fused=self.config.moe_router_fusion,
         )
         return self.attach_and_log_load_balancing_loss(
-            probs, coeff, aux_loss, "load_balancing_loss", self.tp_cp_group, valid_token_count=local_n
+            probs, coeff, aux_loss, "load_balancing_loss", self.tp_cp_group,
+            valid_token_count=self._tp_cp_mean_count(local_n),
         )
 
     def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
@@ -131,7 +147,7 @@ class DualKVTopKRouter(TopKRouter):
         )
         return self.attach_and_log_load_balancing_loss(
             probs, coeff, aux_loss, "global_load_balancing_loss", self.tp_dp_cp_group,
-            needs_dp_avg=False, valid_token_count=local_n,
+            needs_dp_avg=False, valid_token_count=self._tp_cp_mean_count(local_n),
         )
 
     def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask=False):
@@ -156,7 +172,8 @@ class DualKVTopKRouter(TopKRouter):
         ) / num_seq
         w = self._weight(routing_map.shape[0], torch.float32)
         return self.attach_and_log_load_balancing_loss(
-            probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group, valid_token_count=w.sum()
+            probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group,
+            valid_token_count=self._tp_cp_mean_count(w.sum()),
         )
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
