@@ -13,7 +13,9 @@ gradient, equals the one Megatron computes on the replicated micro-batch (every
 - 'seq_aux_loss'      per replicated sequence: each response's sequence = its prompt (and any
                       ancestors) + itself; Megatron's bshd formula (mean valid length over the
                       batch as T) is reproduced from the layout;
-- z-loss              weighted mean over tokens;
+- z-loss              weighted mean over the micro-batch's tokens (equal to Megatron's when
+                      TP*CP = 1; under sequence parallelism Megatron averages per-rank means,
+                      which depends on the sharding, while this is the sharding-free mean);
 - expert-bias counts  (moe_router_enable_expert_bias) weighted.
 Not covered: sinkhorn and quantile_balancing routing (no aux loss of this kind) and token
 dropping (capacity factor) - token dropping depends on the physical token order, so a
@@ -81,16 +83,23 @@ class DualKVTopKRouter(TopKRouter):
     def apply_z_loss(self, logits, padding_mask: Optional[Tensor] = None):
         if self._layout is None or self.config.moe_z_loss_coeff is None or not (self.training and torch.is_grad_enabled()):
             return super().apply_z_loss(logits, padding_mask=padding_mask)
-        coeff = self.config.moe_z_loss_coeff / self.tp_cp_group.size()
+        # The weighted mean over ALL tokens of the micro-batch: each TP/CP rank adds its share
+        # (sum of its tokens / global count). Megatron instead averages per-rank means, which
+        # depends on how the tokens are sharded; both agree when TP*CP = 1.
+        coeff = self.config.moe_z_loss_coeff
+        tp_cp = self.tp_cp_group.size()
         w = self._weight(logits.shape[0], torch.float32)
-        count = w.sum()
+        count = w.sum().detach()
+        if tp_cp > 1:
+            count = count.clone()
+            torch.distributed.all_reduce(count, group=self.tp_cp_group)
         z = (torch.logsumexp(logits, dim=-1).float().square() * w).sum() / count.clamp(min=1.0) * coeff
         if self.calculate_per_token_loss:
-            logits = MoEAuxLossAutoScaler.apply(logits, z * count * self.tp_cp_group.size())
+            logits = MoEAuxLossAutoScaler.apply(logits, z * count)
         else:
             logits = MoEAuxLossAutoScaler.apply(logits, z)
         get_moe_metrics_tracker().record(
-            "z_loss", z / coeff, self.layer_number, self._num_layers(), avg_group=self.tp_dp_cp_group
+            "z_loss", z.detach() * tp_cp / coeff, self.layer_number, self._num_layers(), avg_group=self.tp_dp_cp_group
         )
         return logits
 
