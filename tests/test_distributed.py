@@ -22,15 +22,7 @@ import torch
 
 from megatron_cpu import GlooWorkers
 
-VOCAB = 256
-HIDDEN = 64
-HEADS = 4
-QUERY_GROUPS = 2
-KV_CHANNELS = 16
-FFN = 128
-LAYERS = 2
-EXPERTS = 4
-TOPK = 2
+VOCAB = 256  # qwen3_config("tiny") / ("tiny-moe"): hidden 64, 2 layers, 4 heads, 2 query groups; MoE 4 experts top-2
 
 # float32 with reductions reordered by the parallel split: agreement to ~1e-6 relative.
 RTOL = 2e-5
@@ -56,9 +48,9 @@ class Case:
 
 
 def make_groups(seed: int, num_groups: int = 3) -> list:
-    """Several GRPO groups with different prompt lengths and response lengths (one of length 1)."""
+    """Several GRPO groups: different prompt lengths, N = 3, 2, 1, a response of length 1."""
     g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(1, VOCAB, (n,), generator=g).tolist()
+    ids = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()
     groups = [
         (ids(5), [ids(3), ids(1), ids(4)]),
         (ids(3), [ids(2), ids(5)]),
@@ -68,99 +60,72 @@ def make_groups(seed: int, num_groups: int = 3) -> list:
 
 
 def make_microbatch(seed: int, pad_to_multiple: int = 1, num_groups: int = 3) -> dict:
+    """A packed micro-batch and its rollout data: per-response advantages and per-edge reference
+    logprobs (the k3 KL term makes the loss non-linear in the logprobs)."""
     from megatron_dualkv.layout import build_layout
 
     layout = build_layout(make_groups(seed, num_groups), vocab_size=VOCAB, pad_to_multiple=pad_to_multiple)
     g = torch.Generator().manual_seed(seed + 1)
-    # per-edge weights stand in for advantages: every edge reaches the gradient differently
-    edge_weight = torch.randn(layout.num_edges, generator=g)
-    return {"layout": layout, "edge_weight": edge_weight}
+    return {
+        "layout": layout,
+        "advantages": torch.randn(layout.num_responses, generator=g),
+        "ref_logprobs": -5.5 + 0.5 * torch.randn(layout.num_edges, generator=g),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
-# The model under test (runs inside the workers)
+# The model and loss under test (run inside the workers)
 # ------------------------------------------------------------------------------------------------
 
+LOSS_CONFIG = dict(clip_low=0.2, clip_high=0.28, kl_beta=0.05)
 
-def tiny_config(case: Case):
+
+def model_config(case: Case):
+    """The tiny Qwen3-shaped config (dense or MoE) for one parallel case, set up for Megatron's
+    per-token-loss training path."""
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer import TransformerConfig
+    from megatron_dualkv.megatron import qwen3_config
 
-    moe = dict(
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
-        moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False,
-    ) if case.moe else {}
-    return TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        num_query_groups=QUERY_GROUPS, kv_channels=KV_CHANNELS, ffn_hidden_size=FFN,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-        use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+    return qwen3_config(
+        "tiny-moe" if case.moe else "tiny",
+        vocab_size=VOCAB, use_cpu_initialization=True, params_dtype=torch.float32,
         tensor_model_parallel_size=case.tp, expert_model_parallel_size=case.ep,
         sequence_parallel=case.sequence_parallel,
         calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
-        **moe,
     )
 
 
-def build_model(config, pgs):
-    """Stock GPTModel, local spec (stand-in until the DualKV model lands)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def build_model(kind: str, cfg, pgs):
+    from megatron_dualkv.megatron import build_dualkv_model, build_replicated_model
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True,
-        normalization="RMSNorm",
-    )
-    return GPTModel(
-        config, spec, vocab_size=VOCAB, max_sequence_length=256, position_embedding_type="rope",
-        share_embeddings_and_output_weights=False, pg_collection=pgs,
-    )
+    if kind == "dualkv":
+        return build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False)
+    if kind == "replicated":
+        return build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False)
+    raise ValueError(f"unknown model kind {kind!r}")
 
 
-def dense_mask(layout) -> torch.Tensor:
-    """[1, 1, T, T] bool, True where attention is NOT allowed: the DualKV visibility rule as a
-    dense mask, so that the stock attention computes what DualKV attention computes."""
-    seg = layout.segments
-    seg_of = seg.token_segment_ids().tolist()
-    allowed = torch.zeros(seg.num_tokens, seg.num_tokens, dtype=torch.bool)
-    for i in range(seg.num_tokens):
-        visible = set(seg.ancestors(seg_of[i]))
-        for j in range(i + 1):
-            if seg_of[j] in visible or seg_of[j] == seg_of[i]:
-                allowed[i, j] = True
-    return (~allowed)[None, None]
+def edge_logprobs(kind: str, model, layout) -> torch.Tensor:
+    """[E] logprobs at the layout's loss edges: DualKV on the packed micro-batch, or the stock
+    model on the replicated batch (each response its own [prompt | response] row)."""
+    from megatron_dualkv.megatron import replicated_logprobs
+
+    if kind == "dualkv":
+        return model(layout=layout).logprobs
+    # the stock path reads attributes of the GPTModel itself, not of its DDP wrapper
+    return replicated_logprobs(getattr(model, "module", model), layout).logprobs
 
 
-def edge_logprobs(model, mb: dict) -> torch.Tensor:
-    """Per-edge logprobs [E] of the packed micro-batch.
+def grpo_loss_sum(logprobs, mb: dict, global_num_tokens: float):
+    """The GRPO loss of one micro-batch, token-mean over the global batch, times the global count:
+    Megatron's per-token-loss path wants the micro-batch's share of the SUM and divides all
+    gradients by the all-reduced token count itself (finalize_model_grads)."""
+    from megatron_dualkv.loss import PolicyBatch, PolicyLossConfig, policy_loss
 
-    Stand-in: the stock GPTModel returns vocab-parallel cross entropy of every row against
-    `labels`; a shared last-prompt row predicts several first tokens, so the model runs once per
-    'edge rank' k (the k-th edge of each source row) and picks its edges out."""
-    layout = mb["layout"]
-    ids = layout.input_ids[None]
-    mask = dense_mask(layout)
-    out = torch.empty(layout.num_edges)
-    pending = torch.arange(layout.num_edges)
-    src, tgt = layout.source_rows, layout.target_ids
-    while pending.numel():
-        rows = src[pending]
-        first = torch.ones_like(pending, dtype=torch.bool)
-        seen = set()
-        for n, r in enumerate(rows.tolist()):
-            first[n] = r not in seen
-            seen.add(r)
-        now = pending[first]
-        labels = torch.zeros(layout.num_tokens, dtype=torch.long)
-        labels[src[now]] = tgt[now]
-        nll = model(ids, None, mask, labels=labels[None])  # [1, T]
-        out = out.index_put((now,), -nll[0, src[now]])
-        pending = pending[~first]
-    return out
+    batch = PolicyBatch(advantages=mb["advantages"], ref_logprobs=mb["ref_logprobs"])
+    loss, _ = policy_loss(logprobs, batch, mb["layout"], PolicyLossConfig(**LOSS_CONFIG),
+                          global_num_tokens=global_num_tokens)
+    return loss * global_num_tokens
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,10 +194,17 @@ def join_shards(parts: list[torch.Tensor], s: Shard) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-def train_step(case: Case, microbatches_per_rank: list, full_weights: Optional[dict]) -> dict:
-    """Build the model for `case`, load `full_weights` (sharded for this rank; None: keep the
-    seeded initialisation), run one forward/backward over this rank's micro-batches through
-    Megatron's schedule, DDP and finalize_model_grads, and return what the test compares."""
+def train_step(case: Case, microbatches_per_replica: list, full_weights: Optional[dict],
+               kind: str = "dualkv", compare_replicated: bool = False) -> dict:
+    """One training step of `kind` ("dualkv" or "replicated") for `case` on this rank.
+
+    Loads `full_weights` sharded for this rank (None: the seeded initialisation, with the norm
+    weights perturbed so that their gradient paths matter), runs this replica's micro-batches
+    through Megatron's DDP, forward_backward_no_pipelining and finalize_model_grads, and returns
+    logprobs, loss sums, router aux losses and every local gradient with its place in the full
+    parameter. compare_replicated: also the stock model's logprobs on the replicated batch under
+    the same parallelism (forward only, same weights).
+    """
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -241,37 +213,48 @@ def train_step(case: Case, microbatches_per_rank: list, full_weights: Optional[d
     from megatron_cpu import model_parallel
 
     rank = dist.get_rank()
+    all_mbs = [mb for replica in microbatches_per_replica for mb in replica]
+    global_num_tokens = float(sum(mb["layout"].num_edges for mb in all_mbs))
     with model_parallel(tp=case.tp, ep=case.ep) as pgs:
-        config = tiny_config(case)
-        model = build_model(config, pgs)
-        shards = {n: shard_of(n, p, config, pgs) for n, p in model.named_parameters()}
-        if full_weights is not None:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
+        cfg = model_config(case)
+        model = build_model(kind, cfg, pgs)
+        shards = {n: shard_of(n, p, cfg.transformer, pgs) for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if full_weights is not None:
                     p.copy_(take_shard(full_weights[shards[n].full_name], shards[n]))
+                elif "layernorm" in n:
+                    p.add_(0.1 * torch.randn_like(p))
         initial = {shards[n].full_name: p.detach().clone() for n, p in model.named_parameters()}
 
+        replicated = None
+        if compare_replicated:
+            base = build_model("replicated", cfg, pgs)
+            base.load_state_dict(model.state_dict())
+            with torch.no_grad():
+                get_moe_metrics_tracker().clear()
+                replicated = [edge_logprobs("replicated", base, mb["layout"]) for mb in microbatches_per_replica[_dp_index(case, rank)]]
+
         ddp = DistributedDataParallel(
-            config,
+            cfg.transformer,
             DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
             model,
             pg_collection=pgs,
         )
         ddp.zero_grad_buffer()
         get_moe_metrics_tracker().clear()
-
-        mbs = microbatches_per_rank[_dp_index(case, rank)]
+        mbs = microbatches_per_replica[_dp_index(case, rank)]
         logprobs, loss_sums = [], []
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            lp = edge_logprobs(model, mb)
-            logprobs.append(lp.detach())
+            lp = edge_logprobs(kind, model, mb["layout"])
+            logprobs.append(lp.detach().clone())
 
             def loss_func(lp):
-                loss_sum = -(lp * mb["edge_weight"]).sum()
-                loss_sums.append(loss_sum.detach())
-                count = torch.tensor(lp.numel(), dtype=torch.int)
+                loss_sum = grpo_loss_sum(lp, mb, global_num_tokens)
+                loss_sums.append(loss_sum.detach().clone())
+                count = torch.tensor(mb["layout"].num_edges, dtype=torch.int)
                 return loss_sum, count, {"loss": loss_sum.detach()}
 
             return lp, loss_func
@@ -281,19 +264,31 @@ def train_step(case: Case, microbatches_per_rank: list, full_weights: Optional[d
             num_microbatches=len(mbs), seq_length=0, micro_batch_size=1, forward_only=False,
             pg_collection=pgs,
         )
-        grads = {
-            n: (shards[n], p.main_grad.detach().clone())
-            for n, p in model.named_parameters()
-        }
-        aux = get_moe_metrics_tracker().metrics.get("load_balancing_loss")
         return {
             "rank": rank,
             "initial": initial,
-            "grads": grads,
+            "grads": {n: (shards[n], p.main_grad.detach().clone()) for n, p in model.named_parameters()},
             "logprobs": logprobs,
             "loss_sums": loss_sums,
-            "aux_loss": None if aux is None else aux.values.detach().clone(),
+            "aux_loss": recorded_aux_loss(),
+            "replicated_logprobs": replicated,
         }
+
+
+def recorded_aux_loss() -> Optional[torch.Tensor]:
+    """Per-layer load-balancing loss as Megatron's MoE tracker reports it for this rank: summed
+    over the group the router names (TP x CP: with sequence parallelism each TP rank routes a
+    slice of the tokens); the DP average of the report is left to the test (it sums instead)."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    entry = get_moe_metrics_tracker().metrics.get("load_balancing_loss")
+    if entry is None:
+        return None
+    values = entry.values.detach().clone()
+    if entry.reduce_group is not None:
+        dist.all_reduce(values, group=entry.reduce_group)
+    return values
 
 
 def _dp_index(case: Case, rank: int) -> int:
@@ -356,25 +351,67 @@ def workers():
         yield w
 
 
-def reference(workers, case: Case, microbatches: list) -> dict:
-    """TP=1, EP=1, one rank holding every micro-batch; its seeded weights are the test's weights."""
+def reference(workers, case: Case, microbatches: list, kind: str = "dualkv",
+              weights: Optional[dict] = None) -> dict:
+    """TP=1, EP=1 on a world of one rank holding every micro-batch (`kind` model). Without
+    `weights` its seeded initialisation becomes the test's weights."""
     ref_case = replace(case, tp=1, ep=1, sequence_parallel=False)
-    return workers.run(train_step, ref_case, [microbatches], None, world_size=1)[0]
+    return workers.run(train_step, ref_case, [microbatches], weights, kind, world_size=1)[0]
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_tp2_equals_tp1(workers, sequence_parallel):
-    case = Case(tp=2, sequence_parallel=sequence_parallel)
-    mbs = [make_microbatch(seed=10, pad_to_multiple=2)]
+def reference_grads(ref: dict) -> dict:
+    return {n: g for n, (s, g) in ref["grads"].items()}
+
+
+def check_against_replicated(out: list, mbs_per_replica: list, case: Case) -> None:
+    """The parallel DualKV logprobs equal the stock model's on the replicated batch run under the
+    same parallelism (vocab-parallel cross entropy, TP/EP-split stock layers)."""
+    for res in out:
+        replica = _dp_index(case, res["rank"])
+        for k, (got, want) in enumerate(zip(res["logprobs"], res["replicated_logprobs"])):
+            assert_close(got, want, f"rank {res['rank']} micro-batch {k}: DualKV vs replicated logprobs")
+        assert len(res["replicated_logprobs"]) == len(mbs_per_replica[replica])
+
+
+def test_reference_dualkv_step_equals_replicated_step(workers):
+    """Anchor for the parallel tests: on one rank, the DualKV training step (logprobs, GRPO loss,
+    router aux loss, every gradient after Megatron's finalize) equals the stock model's step on
+    the replicated batch, for the dense and the MoE model."""
+    for moe in (False, True):
+        case = Case(moe=moe)
+        mbs = per_replica_microbatches(1)
+        dual = reference(workers, case, mbs)
+        base = reference(workers, case, mbs, kind="replicated", weights=dual["initial"])
+        for k in range(len(mbs)):
+            assert_close(dual["logprobs"][k], base["logprobs"][k], f"moe={moe} micro-batch {k}: logprobs")
+            assert_close(dual["loss_sums"][k], base["loss_sums"][k], f"moe={moe} micro-batch {k}: loss")
+        if moe:
+            assert_close(dual["aux_loss"], base["aux_loss"], "router load-balancing loss per layer")
+        assert_grads_equal(reference_grads(dual), reference_grads(base), f"moe={moe} DualKV vs replicated")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(tp=2), Case(tp=2, sequence_parallel=True), Case(tp=2, sequence_parallel=True, moe=True)],
+    ids=["dense", "dense-sp", "moe-sp"],  # Megatron refuses MoE + TP training without SP
+)
+def test_tp2_equals_tp1(workers, case):
+    """TP=2 (vocabulary, QKV/proj, MLP or expert MLP split; qk-layernorm / sequence-parallel norm
+    grads all-reduced by finalize_model_grads) equals TP=1 with the same weights."""
+    mbs = [make_microbatch(seed=10, pad_to_multiple=case.tp)]
     ref = reference(workers, case, mbs)
-    out = workers.run(train_step, case, [mbs], ref["initial"])
+    out = workers.run(train_step, case, [mbs], ref["initial"], "dualkv", not case.sequence_parallel)
     for res in out:
         assert_close(res["logprobs"][0], ref["logprobs"][0], f"logprobs on rank {res['rank']}")
         assert_close(res["loss_sums"][0], ref["loss_sums"][0], f"loss on rank {res['rank']}")
-    assert_grads_equal(gather_full_grads(out), {n: g for n, (s, g) in ref["grads"].items()}, "TP=2")
+        if case.moe:
+            assert_close(res["aux_loss"], ref["aux_loss"], f"router aux loss on rank {res['rank']}")
+    if not case.sequence_parallel:
+        check_against_replicated(out, [mbs], case)
+    assert_grads_equal(gather_full_grads(out), reference_grads(ref), f"TP=2 {case}")
 
 
-def _per_replica_microbatches(pad_to_multiple: int) -> list:
+def per_replica_microbatches(pad_to_multiple: int) -> list:
     """Two micro-batches of different token counts, one per data-parallel replica (a wrong
     normalisation, e.g. a mean of per-rank means, would then change the gradients)."""
     mbs = [make_microbatch(seed=20, pad_to_multiple=pad_to_multiple),
@@ -384,30 +421,43 @@ def _per_replica_microbatches(pad_to_multiple: int) -> list:
 
 
 def test_ep2_equals_ep1(workers):
-    """MoE, experts split over 2 ranks (alltoall dispatcher); the two ranks are also DP replicas
-    for the dense parameters, each with its own micro-batch. Reference: EP=1 on one rank holding
-    both micro-batches. Router aux loss values and every gradient (experts gathered) must match."""
+    """MoE with the 4 experts split over 2 ranks (alltoall dispatcher); the two ranks are also DP
+    replicas for the dense parameters, each with its own micro-batch. Reference: EP=1 on one rank
+    holding both micro-batches. Router aux loss values and every gradient (experts gathered from
+    their owning rank) must match."""
     case = Case(ep=2, moe=True)
-    mbs = _per_replica_microbatches(1)
+    mbs = per_replica_microbatches(1)
     ref = reference(workers, case, mbs)
-    out = workers.run(train_step, case, [[mbs[0]], [mbs[1]]], ref["initial"])
+    out = workers.run(train_step, case, [[mbs[0]], [mbs[1]]], ref["initial"], "dualkv", True)
     for r, res in enumerate(out):
         assert_close(res["logprobs"][0], ref["logprobs"][r], f"logprobs of micro-batch {r}")
         assert_close(res["loss_sums"][0], ref["loss_sums"][r], f"loss of micro-batch {r}")
+    check_against_replicated(out, [[mbs[0]], [mbs[1]]], case)
     # per-layer load-balancing loss, accumulated over micro-batches: summed over the ranks
     assert ref["aux_loss"] is not None and (ref["aux_loss"] > 0).all()
     assert_close(out[0]["aux_loss"] + out[1]["aux_loss"], ref["aux_loss"], "router aux loss per layer")
-    assert_grads_equal(gather_full_grads(out), {n: g for n, (s, g) in ref["grads"].items()}, "EP=2")
+    assert_grads_equal(gather_full_grads(out), reference_grads(ref), "EP=2")
 
 
 def test_dp2_grads_equal_single_rank_sum(workers):
     """Two DP replicas, each its own micro-batch; after Megatron's DDP all-reduce and
-    finalize_model_grads (division by the all-reduced token count) the gradients equal one rank
-    running both micro-batches, i.e. d/dθ [(loss_sum_0 + loss_sum_1) / (N_0 + N_1)]."""
+    finalize_model_grads (division by the all-reduced token count) the gradients equal the
+    single-rank gradient of the global token-mean loss (sum over both micro-batches / N_0 + N_1),
+    checked two ways: against one rank running both micro-batches, and against the token-count
+    weighted sum of two single-micro-batch runs, N_k * grad_k / (N_0 + N_1)."""
     case = Case()
-    mbs = _per_replica_microbatches(1)
+    mbs = per_replica_microbatches(1)
     ref = reference(workers, case, mbs)
-    out = workers.run(train_step, case, [[mbs[0]], [mbs[1]]], ref["initial"])
+    out = workers.run(train_step, case, [[mbs[0]], [mbs[1]]], ref["initial"], "dualkv", True)
     for r, res in enumerate(out):
         assert_close(res["loss_sums"][0], ref["loss_sums"][r], f"loss of micro-batch {r}")
-    assert_grads_equal(gather_full_grads(out), {k: g for k, (s, g) in ref["grads"].items()}, "DP=2")
+    check_against_replicated(out, [[mbs[0]], [mbs[1]]], case)
+    got = gather_full_grads(out)
+    assert_grads_equal(got, reference_grads(ref), "DP=2 vs one rank with both micro-batches")
+
+    # Independent of Megatron's multi-micro-batch accumulation: each micro-batch alone (its loss
+    # normalised by its own count N_k), recombined with the global normalisation by hand.
+    n = [mb["layout"].num_edges for mb in mbs]
+    alone = [reference_grads(reference(workers, case, [mb], weights=ref["initial"])) for mb in mbs]
+    expected = {k: (n[0] * alone[0][k] + n[1] * alone[1][k]) / (n[0] + n[1]) for k in alone[0]}
+    assert_grads_equal(got, expected, "DP=2 vs sum_k N_k grad_k / N")
