@@ -244,6 +244,9 @@ def test_scatter_edges_back_to_records_in_original_order():
         scatter_to_records(ranks[0], values[:len(ranks[0])], [r.num_responses for r in records])
     with pytest.raises(ValueError, match="per-edge values"):
         scatter_to_records(mbs[:1], [values[0][:-1]], [r.num_responses for r in records], require_complete=False)
+    moved = mbs[0].to("meta")
+    assert moved.layout.device.type == "meta" and moved.loss_mask.device.type == "meta"
+    assert moved.response_source == mbs[0].response_source
     # no advantages nor rewards: the micro-batch has none, and asking for the loss input says why
     assert mbs[0].advantages is None and mbs[0].old_logprobs is None
     with pytest.raises(ValueError, match="no advantages"):

@@ -66,9 +66,13 @@ class _Checker:
             raise self.fail(field, f"expected a list of integer token ids ({exc})") from None
         if a.ndim != 1:
             raise self.fail(field, f"expected a flat list of token ids, got shape {a.shape}")
-        # a Python list may mix in bools or floats that numpy would silently convert
+        # a Python list may mix in bools or floats that numpy would silently convert (set(map(type))
+        # runs in C; the element-wise scan only runs to name the culprit)
         items = x if isinstance(x, (list, tuple)) else (a.tolist() if a.dtype.kind not in "iu" else ())
-        bad = next((v for v in items if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))), None)
+        bad_type = lambda t: issubclass(t, (bool, np.bool_)) or not issubclass(t, (int, np.integer))
+        bad = None
+        if any(bad_type(t) for t in set(map(type, items))):
+            bad = next(v for v in items if bad_type(type(v)))
         if bad is not None or (a.size and a.dtype.kind not in "iu"):
             bad = a.flat[0] if bad is None else bad
             raise self.fail(field, f"token ids must be integers, got {bad!r} ({type(bad).__name__})")
