@@ -45,6 +45,8 @@ class DualKVGPTModel(GPTModel):
     def __init__(self, *args, replicate_moe_aux_loss: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.replicate_moe_aux_loss = replicate_moe_aux_loss
+        if self.mtp_process:
+            raise ValueError("DualKVGPTModel does not support multi-token prediction (mtp_block_spec)")
         if self.position_embedding_type not in ("rope", "none"):
             raise ValueError(
                 f"DualKVGPTModel supports rope (or no) position embeddings, got {self.position_embedding_type!r}"
