@@ -45,6 +45,7 @@ class DualKVGPTModel(GPTModel):
     def __init__(self, *args, replicate_moe_aux_loss: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.replicate_moe_aux_loss = replicate_moe_aux_loss
+        self._dualkv_routers = [m for m in self.modules() if isinstance(m, DualKVTopKRouter)]
         if self.mtp_process:
             raise ValueError("DualKVGPTModel does not support multi-token prediction (mtp_block_spec)")
         if self.position_embedding_type not in ("rope", "none"):
@@ -118,9 +119,8 @@ class DualKVGPTModel(GPTModel):
         return p.device if p is not None else torch.device("cpu")
 
     def _set_router_weights(self, layout: Optional[PackedLayout]) -> None:
-        for m in self.modules():
-            if isinstance(m, DualKVTopKRouter):
-                m.set_token_weight(layout)
+        for router in self._dualkv_routers:
+            router.set_token_weight(layout)
 
 
 def _edge_logprobs_output(*, hidden_states: Tensor, output_layer, output_weight, context, scale_logits, **_) -> EdgeLogprobs:
