@@ -481,6 +481,14 @@ def pack_rollouts(records: Sequence[RolloutGroup], config: PackingConfig,
     return [build_micro_batches(records, plan, r, device) for r in range(config.dp_size)]
 
 
+def global_loss_counts(records: Sequence[RolloutGroup]) -> dict[str, int]:
+    """The loss's global normalisers for a step over these records, without an all-reduce: every
+    rank holds the records, and packing neither adds nor drops a response token. Equal to the sum
+    of `loss.count_valid` over every micro-batch of every rank (no response mask)."""
+    tokens = sum(sum(r.response_lengths) if r.loss_mask is None else sum(map(sum, r.loss_mask)) for r in records)
+    return {"num_tokens": tokens, "num_responses": sum(r.num_responses for r in records)}
+
+
 def scatter_to_records(micro_batches: Iterable[MicroBatch], values: Iterable[Tensor],
                        record_num_responses: Sequence[int], require_complete: bool = True,
                        ) -> list[list[Optional[Tensor]]]:

@@ -12,7 +12,7 @@ from megatron_dualkv.flops import attended_pairs, attention_flops, group_pairs
 from megatron_dualkv.layout import LayoutError
 from megatron_dualkv.loss import PolicyBatch
 from megatron_dualkv.packing import (
-    PackingConfig, build_micro_batches, flop_work_weights, pack_rollouts, plan_packing, scatter_to_records,
+    PackingConfig, build_micro_batches, flop_work_weights, global_loss_counts, pack_rollouts, plan_packing, scatter_to_records,
 )
 
 
@@ -324,6 +324,7 @@ def test_loss_summed_over_ranks_and_micro_batches_equals_one_micro_batch(aggrega
         lps = [torch.cat([new[rec][i] for rec, i in mb.response_source]) for mb in mbs]
         counts = [count_valid(mb.policy_batch(), mb.layout) for mb in mbs]
         glob = {k: sum(c[k] for c in counts) for k in counts[0]}
+        assert {k: int(v) for k, v in glob.items()} == global_loss_counts(records)
         return len(mbs), sum(policy_loss(lp, mb.policy_batch(), mb.layout, loss_cfg,
                                          global_num_tokens=glob["num_tokens"],
                                          global_num_responses=glob["num_responses"])[0]
