@@ -401,3 +401,17 @@ def test_specs_swap_only_core_attention_and_router():
     else:
         with pytest.raises(ValueError, match="Transformer Engine is not importable"):
             get_dualkv_layer_spec(use_transformer_engine=True)
+
+
+def test_refusals_name_the_problem(pgs):
+    layout = build_layout(_groups(), vocab_size=VOCAB)
+    model, _ = _pair(pgs, "tiny-moe", moe_expert_capacity_factor=1.0)
+    with pytest.raises(ValueError, match="token dropping"):
+        model(layout=layout)
+    model, _ = _pair(pgs)
+    with pytest.raises(ValueError, match="temperature"):
+        model(layout=layout, temperature=0.0)
+    with pytest.raises(ValueError, match=r"input_ids must be \[1, "):
+        model(layout.input_ids[None, :-1], layout=layout)
+    with pytest.raises(TypeError, match="builds labels itself"):
+        model(layout=layout, labels=layout.input_ids[None])
