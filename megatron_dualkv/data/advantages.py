@@ -13,7 +13,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..layout import Group, build_layout
 from .schema import RolloutGroup
 
 BASELINES = ("mean", "leave_one_out")
@@ -37,22 +36,18 @@ class AdvantageEstimator:
 
 def compute_advantages(records: Sequence[RolloutGroup], estimator: AdvantageEstimator = AdvantageEstimator(),
                        ) -> list[Optional[tuple[float, ...]]]:
-    """Per record, the advantages of its rewards (None for a record without rewards).
-
-    All groups are computed in one call on a stand-in layout with the records' group structure
-    (one token per prompt and response): the advantages depend only on which responses share a
-    group, not on the tokens.
-    """
+    """Per record, the advantages of its rewards (None for a record without rewards), all groups in
+    one call (float64)."""
     from ..loss import group_advantages  # the loss module owns the math
 
     with_rewards = [r for r in records if r.rewards is not None]
     out: list[Optional[tuple[float, ...]]] = [None] * len(records)
     if not with_rewards:
         return out
-    structure = build_layout([Group(prompt=(0,), responses=((0,),) * r.num_responses, name=r.group_id)
-                              for r in with_rewards])
+    group_ids = torch.repeat_interleave(torch.arange(len(with_rewards)),
+                                        torch.tensor([r.num_responses for r in with_rewards]))
     rewards = torch.tensor([x for r in with_rewards for x in r.rewards], dtype=torch.float64)
-    adv = group_advantages(rewards, structure, baseline=estimator.baseline, normalize_std=estimator.normalize_std,
+    adv = group_advantages(rewards, group_ids, baseline=estimator.baseline, normalize_std=estimator.normalize_std,
                            unbiased_std=estimator.unbiased_std, eps=estimator.eps).tolist()
     k = 0
     for i, r in enumerate(records):
