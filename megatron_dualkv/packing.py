@@ -6,9 +6,11 @@ Planning (`plan_packing`, pure Python, identical on every rank for the same reco
    sub-groups of consecutive responses, each carrying the full prompt. A prompt plus one response
    that alone exceeds a budget is an error.
 2. Pack the pieces into K = dp_size * m micro-batches: longest-processing-time first, each piece
-   into the least-loaded micro-batch where it fits both budgets. K starts at the lower bound set by
-   the budgets and grows by dp_size until everything fits. When there are fewer pieces than K (few
-   groups, many ranks), the largest groups are split further so that no micro-batch is empty.
+   into the least-loaded micro-batch where it fits both budgets. K starts at a lower bound (the
+   budgets; one micro-batch per piece above half the token budget) rounded up to dp_size and is
+   the smallest multiple of dp_size that fits (grown exponentially, then bisected). When there
+   are fewer pieces than K (few groups, many ranks), the largest groups are split further so that
+   no micro-batch is empty.
 3. Deal the micro-batches to ranks in rounds of dp_size, heaviest first, the heaviest of a round to
    the rank with the least work so far; every rank gets m micro-batches.
 
@@ -44,7 +46,6 @@ from .data.advantages import AdvantageEstimator, compute_advantages
 from .data.schema import RolloutGroup, check_unique_ids
 from .flops import attended_pairs, attention_flops, group_pairs
 from .layout import Group, PackedLayout, build_layout
-
 
 LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "generation_logprobs")
 
