@@ -195,7 +195,7 @@ def join_shards(parts: list[torch.Tensor], s: Shard) -> torch.Tensor:
 
 
 def train_step(case: Case, microbatches_per_replica: list, full_weights: Optional[dict],
-               kind: str = "dualkv", compare_replicated: bool = False) -> dict:
+               kind: str = "dualkv", compare_replicated: bool = False, optimizer_step: bool = False) -> dict:
     """One training step of `kind` ("dualkv" or "replicated") for `case` on this rank.
 
     Loads `full_weights` sharded for this rank (None: the seeded initialisation, with the norm
@@ -203,7 +203,9 @@ def train_step(case: Case, microbatches_per_replica: list, full_weights: Optiona
     through Megatron's DDP, forward_backward_no_pipelining and finalize_model_grads, and returns
     logprobs, loss sums, router aux losses and every local gradient with its place in the full
     parameter. compare_replicated: also the stock model's logprobs on the replicated batch under
-    the same parallelism (forward only, same weights).
+    the same parallelism (forward only, same weights). optimizer_step: then one step of
+    Megatron's optimizer (SGD, clip_grad=0, no distributed optimizer), returning the updated
+    parameters and the grad norm Megatron computes over the model-parallel shards.
     """
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -264,15 +266,40 @@ def train_step(case: Case, microbatches_per_replica: list, full_weights: Optiona
             num_microbatches=len(mbs), seq_length=0, micro_batch_size=1, forward_only=False,
             pg_collection=pgs,
         )
+        grads = {n: (shards[n], p.main_grad.detach().clone()) for n, p in model.named_parameters()}
+        updated = grad_norm = None
+        if optimizer_step:
+            grad_norm, updated = sgd_step(ddp, shards)
         return {
             "rank": rank,
             "initial": initial,
-            "grads": {n: (shards[n], p.main_grad.detach().clone()) for n, p in model.named_parameters()},
+            "grads": grads,
+            "updated": updated,
+            "grad_norm": grad_norm,
             "logprobs": logprobs,
             "loss_sums": loss_sums,
             "aux_loss": recorded_aux_loss(),
             "replicated_logprobs": replicated,
         }
+
+
+def sgd_step(ddp, shards: dict) -> tuple[float, dict]:
+    """One step of Megatron's optimizer on the DDP-reduced gradients: (grad norm, updated shards).
+
+    SGD with weight decay: its update is linear in the gradient, so the parallel and the
+    reference updates agree to the gradients' rounding (Adam's first step, ~lr*sign(g), turns
+    rounding-level differences of near-zero gradients into lr-sized ones)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="sgd", lr=0.5, weight_decay=0.01, clip_grad=0.0, use_distributed_optimizer=False,
+        params_dtype=torch.float32,
+    )
+    # the default groups already are gloo groups: Megatron's extra gloo copies are not created
+    optimizer = get_megatron_optimizer(config, [ddp], use_gloo_process_groups=False)
+    ok, grad_norm, _ = optimizer.step()
+    assert ok, "Megatron's optimizer skipped the step"
+    return float(grad_norm), {n: (shards[n], p.detach().clone()) for n, p in ddp.module.named_parameters()}
 
 
 def recorded_aux_loss() -> Optional[torch.Tensor]:
@@ -309,11 +336,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: 
     assert err <= rtol * scale, f"{what}: max |diff| {err:.3e} > {rtol:.0e} x max|expected| {scale:.3e}"
 
 
-def gather_full_grads(results: list) -> dict:
-    """Full gradients from every rank's shards; replicated shards must agree across ranks."""
+def gather_full_grads(results: list, key: str = "grads") -> dict:
+    """Full tensors (gradients, or `key`) from every rank's shards; replicated shards must agree
+    across ranks."""
     by_name: dict = {}
     for res in results:
-        for local_name, (s, g) in res["grads"].items():
+        for local_name, (s, g) in res[key].items():
             by_name.setdefault(s.full_name, []).append((s, g, res["rank"]))
     full = {}
     for name, parts in by_name.items():
@@ -353,14 +381,33 @@ def workers():
 
 def reference(workers, case: Case, microbatches: list, kind: str = "dualkv",
               weights: Optional[dict] = None) -> dict:
-    """TP=1, EP=1 on a world of one rank holding every micro-batch (`kind` model). Without
-    `weights` its seeded initialisation becomes the test's weights."""
+    """TP=1, EP=1 on a world of one rank holding every micro-batch (`kind` model), with the
+    optimizer step. Without `weights` its seeded initialisation becomes the test's weights."""
     ref_case = replace(case, tp=1, ep=1, sequence_parallel=False)
-    return workers.run(train_step, ref_case, [microbatches], weights, kind, world_size=1)[0]
+    return workers.run(train_step, ref_case, [microbatches], weights, kind, False, True, world_size=1)[0]
 
 
-def reference_grads(ref: dict) -> dict:
-    return {n: g for n, (s, g) in ref["grads"].items()}
+def parallel(workers, case: Case, microbatches_per_replica: list, weights: dict) -> list:
+    """The DualKV step of `case` on 2 ranks (replicated logprobs alongside unless SP), optimizer step."""
+    return workers.run(train_step, case, microbatches_per_replica, weights, "dualkv",
+                       not case.sequence_parallel, True)
+
+
+def reference_grads(ref: dict, key: str = "grads") -> dict:
+    return {n: g for n, (s, g) in ref[key].items()}
+
+
+def check_step(out: list, ref: dict, what: str) -> None:
+    """Every gradient (gathered), Megatron's grad norm and every parameter update of the optimizer step."""
+    assert_grads_equal(gather_full_grads(out), reference_grads(ref), what)
+    for res in out:
+        assert abs(res["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], (
+            f"{what}: grad norm on rank {res['rank']} {res['grad_norm']} != {ref['grad_norm']}")
+    updated, want = gather_full_grads(out, "updated"), reference_grads(ref, "updated")
+    for name, w in want.items():
+        step = w - ref["initial"][name]
+        assert step.abs().max() > 0, f"{name} did not move in the optimizer step"
+        assert_close(updated[name] - ref["initial"][name], step, f"{what}: optimizer update of {name}")
 
 
 def check_against_replicated(out: list, mbs_per_replica: list, case: Case) -> None:
@@ -387,7 +434,7 @@ def test_reference_dualkv_step_equals_replicated_step(workers):
             assert_close(dual["loss_sums"][k], base["loss_sums"][k], f"moe={moe} micro-batch {k}: loss")
         if moe:
             assert_close(dual["aux_loss"], base["aux_loss"], "router load-balancing loss per layer")
-        assert_grads_equal(reference_grads(dual), reference_grads(base), f"moe={moe} DualKV vs replicated")
+        check_step([base], dual, f"moe={moe} replicated vs DualKV")
 
 
 @pytest.mark.parametrize(
@@ -400,7 +447,7 @@ def test_tp2_equals_tp1(workers, case):
     grads all-reduced by finalize_model_grads) equals TP=1 with the same weights."""
     mbs = [make_microbatch(seed=10, pad_to_multiple=case.tp)]
     ref = reference(workers, case, mbs)
-    out = workers.run(train_step, case, [mbs], ref["initial"], "dualkv", not case.sequence_parallel)
+    out = parallel(workers, case, [mbs], ref["initial"])
     for res in out:
         assert_close(res["logprobs"][0], ref["logprobs"][0], f"logprobs on rank {res['rank']}")
         assert_close(res["loss_sums"][0], ref["loss_sums"][0], f"loss on rank {res['rank']}")
@@ -408,7 +455,7 @@ def test_tp2_equals_tp1(workers, case):
             assert_close(res["aux_loss"], ref["aux_loss"], f"router aux loss on rank {res['rank']}")
     if not case.sequence_parallel:
         check_against_replicated(out, [mbs], case)
-    assert_grads_equal(gather_full_grads(out), reference_grads(ref), f"TP=2 {case}")
+    check_step(out, ref, f"TP=2 {case}")
 
 
 def per_replica_microbatches(pad_to_multiple: int) -> list:
@@ -428,7 +475,7 @@ def test_ep2_equals_ep1(workers):
     case = Case(ep=2, moe=True)
     mbs = per_replica_microbatches(1)
     ref = reference(workers, case, mbs)
-    out = workers.run(train_step, case, [[mbs[0]], [mbs[1]]], ref["initial"], "dualkv", True)
+    out = parallel(workers, case, [[mbs[0]], [mbs[1]]], ref["initial"])
     for r, res in enumerate(out):
         assert_close(res["logprobs"][0], ref["logprobs"][r], f"logprobs of micro-batch {r}")
         assert_close(res["loss_sums"][0], ref["loss_sums"][r], f"loss of micro-batch {r}")
@@ -436,7 +483,7 @@ def test_ep2_equals_ep1(workers):
     # per-layer load-balancing loss, accumulated over micro-batches: summed over the ranks
     assert ref["aux_loss"] is not None and (ref["aux_loss"] > 0).all()
     assert_close(out[0]["aux_loss"] + out[1]["aux_loss"], ref["aux_loss"], "router aux loss per layer")
-    assert_grads_equal(gather_full_grads(out), reference_grads(ref), "EP=2")
+    check_step(out, ref, "EP=2")
 
 
 def test_dp2_grads_equal_single_rank_sum(workers):
@@ -448,16 +495,15 @@ def test_dp2_grads_equal_single_rank_sum(workers):
     case = Case()
     mbs = per_replica_microbatches(1)
     ref = reference(workers, case, mbs)
-    out = workers.run(train_step, case, [[mbs[0]], [mbs[1]]], ref["initial"], "dualkv", True)
+    out = parallel(workers, case, [[mbs[0]], [mbs[1]]], ref["initial"])
     for r, res in enumerate(out):
         assert_close(res["loss_sums"][0], ref["loss_sums"][r], f"loss of micro-batch {r}")
     check_against_replicated(out, [[mbs[0]], [mbs[1]]], case)
-    got = gather_full_grads(out)
-    assert_grads_equal(got, reference_grads(ref), "DP=2 vs one rank with both micro-batches")
+    check_step(out, ref, "DP=2 vs one rank with both micro-batches")
 
     # Independent of Megatron's multi-micro-batch accumulation: each micro-batch alone (its loss
     # normalised by its own count N_k), recombined with the global normalisation by hand.
     n = [mb["layout"].num_edges for mb in mbs]
     alone = [reference_grads(reference(workers, case, [mb], weights=ref["initial"])) for mb in mbs]
     expected = {k: (n[0] * alone[0][k] + n[1] * alone[1][k]) / (n[0] + n[1]) for k in alone[0]}
-    assert_grads_equal(got, expected, "DP=2 vs sum_k N_k grad_k / N")
+    assert_grads_equal(gather_full_grads(out), expected, "DP=2 vs sum_k N_k grad_k / N")
