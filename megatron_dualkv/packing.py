@@ -482,6 +482,27 @@ def pack_rollouts(records: Sequence[RolloutGroup], config: PackingConfig,
     return [build_micro_batches(records, plan, r, device) for r in range(config.dp_size)]
 
 
+def step_records(records: Sequence[RolloutGroup], step: int, groups_per_step: int, seed: int = 0,
+                 ) -> list[RolloutGroup]:
+    """The groups of training step `step`: consecutive slices of a stream that visits every group
+    once per epoch, in a seeded order per epoch. A function of (step, seed) alone, so a run resumed
+    at step s gets the groups the uninterrupted run would have had."""
+    n = len(records)
+    if n == 0 or not 1 <= groups_per_step <= n:
+        raise ValueError(f"groups_per_step must lie in [1, {n}] (the number of groups), got {groups_per_step}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    out, pos = [], step * groups_per_step
+    perms: dict[int, list[int]] = {}
+    for k in range(pos, pos + groups_per_step):
+        epoch = k // n
+        if epoch not in perms:
+            perms[epoch] = list(range(n))
+            random.Random(f"{seed}/{epoch}").shuffle(perms[epoch])
+        out.append(records[perms[epoch][k % n]])
+    return out
+
+
 def global_loss_counts(records: Sequence[RolloutGroup]) -> dict[str, int]:
     """The loss's global normalisers for a step over these records, without an all-reduce: every
     rank holds the records, and packing neither adds nor drops a response token. Equal to the sum

@@ -13,6 +13,7 @@ from megatron_dualkv.layout import LayoutError
 from megatron_dualkv.loss import PolicyBatch
 from megatron_dualkv.packing import (
     PackingConfig, build_micro_batches, flop_work_weights, global_loss_counts, pack_rollouts, plan_packing, scatter_to_records,
+    step_records,
 )
 
 
@@ -334,3 +335,14 @@ def test_loss_summed_over_ranks_and_micro_batches_equals_one_micro_batch(aggrega
     n_many, many = total(PackingConfig(max_tokens=72, dp_size=3, pad_to_multiple=4, seed=2))
     assert n_one == 1 and n_many >= 6
     torch.testing.assert_close(many, one, rtol=1e-6, atol=1e-7)
+
+
+def test_step_records_visit_every_group_once_per_epoch_and_resume_exactly():
+    records = make_records(9, 10, signals=False)
+    ids = lambda step, seed=3: [r.group_id for r in step_records(records, step, 4, seed)]
+    stream = [g for step in range(5) for g in ids(step)]  # 20 groups = two epochs of 10
+    assert sorted(stream[:10]) == sorted(stream[10:]) == sorted(r.group_id for r in records)
+    assert stream[:10] != stream[10:]  # a new order each epoch
+    assert ids(3) == ids(3) and ids(3) != ids(3, seed=4)  # a function of (step, seed): resumable
+    with pytest.raises(ValueError, match="groups_per_step"):
+        step_records(records, 0, 11)
