@@ -9,7 +9,6 @@ import torch
 
 from megatron_dualkv.data import DEFAULT_ROLLOUTS, AdvantageEstimator, RolloutGroup, compute_advantages, read_rollouts
 from megatron_dualkv.flops import attended_pairs, attention_flops, group_pairs
-from megatron_dualkv.layout import LayoutError
 from megatron_dualkv.loss import PolicyBatch
 from megatron_dualkv.packing import (
     PackingConfig, build_micro_batches, flop_work_weights, global_loss_counts, pack_rollouts, plan_packing, scatter_to_records,
