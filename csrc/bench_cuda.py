@@ -7,6 +7,7 @@ fwd = 4*D*Hq*pairs, fwd+bwd counted as 3.5x fwd) and peak memory. tools/bench_ke
 full comparison with FlexAttention and SDPA; this script is the kernel engineer's own check.
 """
 import math
+import os
 import statistics
 import sys
 
@@ -43,8 +44,9 @@ def main():
     quick = "--quick" in sys.argv
     hq, hkv, d = 32, 8, 128
     print(f"device: {torch.cuda.get_device_name()}")
-    print("| N | P | R | fwd mma ms | fwd sm90 ms | bwd ms | fwd+bwd ms | fwd mma TFLOP/s | fwd sm90 TFLOP/s | fwd+bwd TFLOP/s | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| N | P | R | fwd ms mma | fwd ms sm90 | bwd ms mma | bwd ms sm90 | fwd+bwd ms mma | fwd+bwd ms sm90 | "
+          "fwd TF/s mma | fwd TF/s sm90 | fwd+bwd TF/s mma | fwd+bwd TF/s sm90 | peak GiB | fwd TF/s sm90 bk64x2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (2048, 1024):
         for n, p in SHAPES:
             seg = layout(n, p, r)
@@ -60,19 +62,26 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             f_ms = {}
             with torch.no_grad():
-                for impl in ("mma", "sm90"):
-                    cuda_backend.forward(q, k, v, seg, scale, fwd_impl=impl)  # warm-up
-                    f_ms[impl] = timed(lambda: cuda_backend.forward(q, k, v, seg, scale, fwd_impl=impl), reps)
-            def fb():
-                out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl="sm90")
-                out.backward(do)
-            fb()
-            fb_ms = timed(fb, reps)
+                for impl in ("mma", "sm90", "sm90v1"):
+                    os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "1" if impl == "sm90v1" else "0"
+                    fi = impl[:4] if impl != "mma" else "mma"
+                    cuda_backend.forward(q, k, v, seg, scale, fwd_impl=fi)  # warm-up
+                    f_ms[impl] = timed(lambda: cuda_backend.forward(q, k, v, seg, scale, fwd_impl=fi), reps)
+                os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "0"
+            fb_ms = {}
+            for impl in ("mma", "sm90"):
+                def fb():
+                    out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl=impl, bwd_impl=impl)
+                    out.backward(do)
+                fb()
+                fb_ms[impl] = timed(fb, reps)
             peak = torch.cuda.max_memory_allocated() / 2**30
             fl = 4 * d * hq * pairs(n, p, r)
             fm, fs = f_ms["mma"], f_ms["sm90"]
-            print(f"| {n} | {p} | {r} | {fm:.1f} | {fs:.1f} | {fb_ms - fs:.1f} | {fb_ms:.1f} | {fl / fm / 1e9:.0f} | "
-                  f"{fl / fs / 1e9:.0f} | {3.5 * fl / fb_ms / 1e9:.0f} | {peak:.1f} |", flush=True)
+            bm, bs = fb_ms["mma"], fb_ms["sm90"]
+            print(f"| {n} | {p} | {r} | {fm:.1f} | {fs:.1f} | {bm - fm:.1f} | {bs - fs:.1f} | {bm:.1f} | {bs:.1f} | "
+                  f"{fl / fm / 1e9:.0f} | {fl / fs / 1e9:.0f} | {3.5 * fl / bm / 1e9:.0f} | {3.5 * fl / bs / 1e9:.0f} | "
+                  f"{peak:.1f} | {fl / f_ms['sm90v1'] / 1e9:.0f} |", flush=True)
             del q, k, v, do
             q = k = v = None
             torch.cuda.empty_cache()

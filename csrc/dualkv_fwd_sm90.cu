@@ -15,93 +15,16 @@
 
 #include "dualkv_kernels.h"
 #include "wgmma_ops.h"
+#include "sm90_common.h"
 
 namespace mdkv {
 namespace sm90 {
 
 constexpr int kBQ = 128;  // query rows per CTA (2 warpgroups x 64)
-constexpr int kBK = 128;  // key rows per tile
-constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// keeps the compiler from moving accumulator reads/writes across the asynchronous MMA
-template <int R>
-__device__ __forceinline__ void reg_fence(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Tile [ROWS][D] as D/64 panels of [ROWS][64]: 128-byte rows, 16-byte chunk c of row r stored at
-// chunk (c ^ (r & 7)) -- the hardware's 128-byte swizzle when each panel starts 1024-aligned.
-template <int ROWS>
-__device__ __forceinline__ int poff(int r, int c) {
-  return (c >> 3) * ROWS * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
-}
-
-template <typename T, int D, int ROWS>
-__device__ __forceinline__ void load_tile(T* s, const T* g, long stride, int row0, int row_end) {
-  constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int row = row0 + r;
-    const bool valid = row < row_end;
-    const T* src = g + (valid ? (long)row * stride + c * 8 : 0);
-    cp_async16(smem_addr(s + poff<ROWS>(r, c)), src, valid);
-  }
-}
-
-// wgmma shared-memory descriptor, 128-byte swizzle
-__device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  const uint32_t a = smem_addr(p);
-  return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16) |
-         ((uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-  return x;
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  x += __shfl_xor_sync(0xffffffffu, x, 2);
-  return x;
-}
-
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
+// kBK: key rows per tile (128: one CTA per SM; 64: two CTAs per SM, registers capped at 128)
+template <typename T, int D, int kBK, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
   extern __shared__ unsigned char smem_raw[];
   const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
   T* sQ = reinterpret_cast<T*>(base);
@@ -152,14 +75,14 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
     const T* cK = sK + st * kBK * D;
     const T* cV = sV + st * kBK * D;
 
-    // S [64 x 128] per warpgroup
-    float s[64];
+    // S [64 x kBK] per warpgroup
+    float s[kBK / 2];
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint64_t da = desc(sQ + (kk >> 2) * kBQ * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
       const uint64_t db = desc(cK + (kk >> 2) * kBK * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<128, T>(s, da, db, kk > 0 ? 1 : 0);
+      wgmma_ss<kBK, T>(s, da, db, kk > 0 ? 1 : 0);
     }
     wg_commit();
     wg_wait<0>();
@@ -170,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
     const bool msk = is_par ? (k0 + kBK > par1) : (k0 + kBK - 1 > q0);
     if (msk) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < kBK / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
@@ -184,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+      for (int j = 0; j < kBK / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
       mx = quad_max(mx) * sl2;
       const float mnew = fmaxf(m[r], mx);
       const float b = mnew == -INFINITY ? 0.f : mnew;
@@ -192,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
       m[r] = mnew;
       float sum = 0.f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < kBK / 8; ++j) {
         const float p0 = exp2f(fmaf(s[4 * j + 2 * r], sl2, -b));
         const float p1 = exp2f(fmaf(s[4 * j + 2 * r + 1], sl2, -b));
         s[4 * j + 2 * r] = p0;
@@ -207,9 +130,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
       }
     }
 
-    uint32_t pa[8][4];
+    uint32_t pa[kBK / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < kBK / 16; ++kk) {
       pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
       pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
       pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
@@ -218,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
     reg_fence(o);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < kBK / 16; ++kk) {
       const uint64_t db = desc(cV + kk * 16 * 64, kBK * 64 * (int)sizeof(T), 1024);
       wgmma_rs_tb<D, T>(o, pa[kk], db, 1);
     }
@@ -247,10 +170,10 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(FwdArgs a) {
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int kBK, int kMinBlocks>
 static cudaError_t fwd_t(const FwdArgs& a, cudaStream_t stream) {
   const int smem = (kBQ * D + 4 * kBK * D) * (int)sizeof(T) + 1024;
-  auto k = fwd_kernel<T, D>;
+  auto k = fwd_kernel<T, D, kBK, kMinBlocks>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0) return cudaSuccess;
@@ -260,11 +183,18 @@ static cudaError_t fwd_t(const FwdArgs& a, cudaStream_t stream) {
 
 }  // namespace sm90
 
-cudaError_t launch_fwd_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream) {
-  if (dtype == kBF16 && d == 128) return sm90::fwd_t<__nv_bfloat16, 128>(a, stream);
-  if (dtype == kBF16 && d == 64) return sm90::fwd_t<__nv_bfloat16, 64>(a, stream);
-  if (dtype == kFP16 && d == 128) return sm90::fwd_t<__half, 128>(a, stream);
-  if (dtype == kFP16 && d == 64) return sm90::fwd_t<__half, 64>(a, stream);
+template <typename T, int D>
+static cudaError_t fwd_pick(const FwdArgs& a, int variant, cudaStream_t stream) {
+  if (variant == 1) return sm90::fwd_t<T, D, 64, 2>(a, stream);
+  return sm90::fwd_t<T, D, 128, 1>(a, stream);
+}
+
+// variant 0: 128-row key tiles, one CTA per SM; 1: 64-row key tiles, two CTAs per SM
+cudaError_t launch_fwd_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream, int variant) {
+  if (dtype == kBF16 && d == 128) return fwd_pick<__nv_bfloat16, 128>(a, variant, stream);
+  if (dtype == kBF16 && d == 64) return fwd_pick<__nv_bfloat16, 64>(a, variant, stream);
+  if (dtype == kFP16 && d == 128) return fwd_pick<__half, 128>(a, variant, stream);
+  if (dtype == kFP16 && d == 64) return fwd_pick<__half, 64>(a, variant, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -656,6 +656,23 @@ cudaError_t launch_fwd(const FwdArgs& a, int dtype, int d, cudaStream_t stream) 
   return cudaErrorInvalidValue;
 }
 
+template <typename T, int D>
+static cudaError_t delta_t(const DeltaArgs& da, cudaStream_t stream) {
+  const long warps = (long)da.T * da.hq;
+  const int threads = 256;
+  const long blocks = (warps * 32 + threads - 1) / threads;
+  if (blocks > 0) delta_kernel<T, D><<<(unsigned)blocks, threads, 0, stream>>>(da);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_delta(const DeltaArgs& da, int dtype, int d, cudaStream_t stream) {
+  if (dtype == kBF16 && d == 128) return delta_t<__nv_bfloat16, 128>(da, stream);
+  if (dtype == kBF16 && d == 64) return delta_t<__nv_bfloat16, 64>(da, stream);
+  if (dtype == kFP16 && d == 128) return delta_t<__half, 128>(da, stream);
+  if (dtype == kFP16 && d == 64) return delta_t<__half, 64>(da, stream);
+  return cudaErrorInvalidValue;
+}
+
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                        cudaStream_t stream) {
   if (dtype == kBF16 && d == 128) return bwd_t<__nv_bfloat16, 128>(da, qa, ka, stream);

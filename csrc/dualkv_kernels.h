@@ -59,7 +59,12 @@ struct DkvArgs {
 
 cudaError_t launch_fwd(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
 // Hopper forward (wgmma; row items built with 128-row query tiles)
-cudaError_t launch_fwd_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
+cudaError_t launch_fwd_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream, int variant = 0);
+// delta = rowsum(dO * O) - dlse
+cudaError_t launch_delta(const DeltaArgs& da, int dtype, int d, cudaStream_t stream);
+// Hopper backward (wgmma; row items of 128-row query tiles, kv items of 128-row key tiles)
+cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
+                            cudaStream_t stream);
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                        cudaStream_t stream);
 

@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "dualkv_kernels.h"
 
@@ -68,7 +69,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
   a.scale = static_cast<float>(scale);
   a.scale_log2 = static_cast<float>(scale * M_LOG2E);
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto err = sm90 ? mdkv::launch_fwd_sm90(a, dtype_code(q), d, stream) : mdkv::launch_fwd(a, dtype_code(q), d, stream);
+  // MEGATRON_DUALKV_SM90_FWD_VARIANT=1: 64-row key tiles, two CTAs per SM (experiment)
+  const char* venv = std::getenv("MEGATRON_DUALKV_SM90_FWD_VARIANT");
+  const int variant = venv ? std::atoi(venv) : 0;
+  auto err = sm90 ? mdkv::launch_fwd_sm90(a, dtype_code(q), d, stream, variant)
+                  : mdkv::launch_fwd(a, dtype_code(q), d, stream);
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv fwd launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }
@@ -85,13 +90,13 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_sm90(const at::Tensor& q, const at
   return fwd_impl(q, k, v, row_work, scale, true);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd(const at::Tensor& dout_in, const at::Tensor& q,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout_in, const at::Tensor& q,
                                                           const at::Tensor& k, const at::Tensor& v,
                                                           const at::Tensor& out, const at::Tensor& lse,
                                                           const std::optional<at::Tensor>& dlse_in,
                                                           const at::Tensor& row_work, const at::Tensor& kv_work,
                                                           const at::Tensor& kv_ranges, double scale,
-                                                          bool deterministic) {
+                                                          bool deterministic, bool sm90) {
   (void)deterministic;  // every backward path here is deterministic (no atomics)
   check_qkv(q, k, v);
   check_work(row_work, q, "row_work");
@@ -159,9 +164,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd(const at::Tensor& dout
   ka.scale = sc;
   ka.scale_log2 = sl2;
 
-  auto err = mdkv::launch_bwd(da, qa, ka, dtype_code(q), d, at::cuda::getCurrentCUDAStream());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto err = sm90 ? mdkv::launch_bwd_sm90(da, qa, ka, dtype_code(q), d, stream)
+                  : mdkv::launch_bwd(da, qa, ka, dtype_code(q), d, stream);
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv bwd launch failed: ", cudaGetErrorString(err));
   return {dq, dk, dv};
+}
+
+#define MDKV_BWD_ARGS                                                                                          \
+  const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out, \
+      const at::Tensor &lse, const std::optional<at::Tensor> &dlse, const at::Tensor &row_work,               \
+      const at::Tensor &kv_work, const at::Tensor &kv_ranges, double scale, bool deterministic
+
+// mma.sync kernels: row items of 64-row query tiles, kv items of 64-row key tiles
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd(MDKV_BWD_ARGS) {
+  return bwd_impl(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, false);
+}
+
+// Hopper wgmma kernels: row items of 128-row query tiles, kv items of 128-row key tiles
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_sm90(MDKV_BWD_ARGS) {
+  return bwd_impl(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, true);
 }
 
 }  // namespace
@@ -172,12 +194,16 @@ TORCH_LIBRARY(megatron_dualkv, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor row_work, "
       "Tensor kv_work, Tensor kv_ranges, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "bwd_sm90(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor row_work, "
+      "Tensor kv_work, Tensor kv_ranges, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {
   m.impl("fwd", &dualkv_fwd);
   m.impl("fwd_sm90", &dualkv_fwd_sm90);
   m.impl("bwd", &dualkv_bwd);
+  m.impl("bwd_sm90", &dualkv_bwd_sm90);
 }
 
 // Importable as megatron_dualkv._C (importing it registers the ops above).

@@ -116,7 +116,7 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def build_work(segments: SegmentTable, row_tile: int = TILE) -> tuple[list, list, list]:
+def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE) -> tuple[list, list, list]:
     """Host work lists: row items [q0, q1, self0, par0, par1, cost, 0, 0] (query tiles), kv items
     [k0, k1, seg_end, range_lo, range_hi, tiles_per_head, 0, 0] (key tiles), and kv ranges [q0, q1]
     (merged children of each root). Each list is sorted heaviest first (longest-processing-time
@@ -161,8 +161,8 @@ def build_work(segments: SegmentTable, row_tile: int = TILE) -> tuple[list, list
             rows.append((npar + _ceil(q1 - a, TILE), q0, q1, a, par0, par1))
         rlo, rhi = root_ranges.get(s, (0, 0))
         child_tiles = sum(_ceil(ranges[r][1] - ranges[r][0], TILE) for r in range(rlo, rhi))
-        for k0 in range(a, end, TILE):
-            k1 = min(k0 + TILE, end)
+        for k0 in range(a, end, kv_tile):
+            k1 = min(k0 + kv_tile, end)
             kvs.append((_ceil(end - k0, TILE) + child_tiles, k0, k1, end, rlo, rhi))
     rows.sort(key=lambda r: -r[0])
     kvs.sort(key=lambda r: -r[0])
@@ -172,27 +172,29 @@ def build_work(segments: SegmentTable, row_tile: int = TILE) -> tuple[list, list
     return row_work, kv_work, kv_ranges
 
 
-def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, ...]:
     """Device work lists for a layout, built once and cached on the SegmentTable:
-    (row items of 64-row query tiles, row items of 128-row query tiles, kv items, kv ranges)."""
+    (row items of 64-row query tiles, row items of 128-row query tiles, kv items of 64-row key
+    tiles, kv items of 128-row key tiles, kv ranges). Row items count kv tiles per their
+    kernel, so one list serves any kv tile size; kv items count 64-row query tiles."""
 
     def build():
         rw, kw, kr = build_work(segments)
-        rw128 = build_work(segments, row_tile=128)[0]
+        rw128, kw128, _ = build_work(segments, row_tile=128, kv_tile=128)
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))
-        return mk(rw), mk(rw128), mk(kw), mk(kr)
+        return mk(rw), mk(rw128), mk(kw), mk(kw128), mk(kr)
 
     return segments.cached(("cuda_backend_work", str(device)), build)
 
 
 FWD_IMPLS = ("sm90", "mma")
-_FWD_ENV = "MEGATRON_DUALKV_CUDA_FWD"
+BWD_IMPLS = ("sm90", "mma")
 
 
-def _fwd_impl(name: Optional[str]) -> str:
-    name = name or os.environ.get(_FWD_ENV) or "sm90"
+def _impl(name: Optional[str], env: str, what: str) -> str:
+    name = name or os.environ.get(env) or "sm90"
     if name not in FWD_IMPLS:
-        raise ValueError(f"unknown forward kernel {name!r}; choose one of {FWD_IMPLS}")
+        raise ValueError(f"unknown {what} kernel {name!r}; choose one of {FWD_IMPLS}")
     return name
 
 
@@ -215,21 +217,27 @@ def _register_python_side() -> None:
     torch.library.register_fake("megatron_dualkv::fwd")(_fwd_fake)
     torch.library.register_fake("megatron_dualkv::fwd_sm90")(_fwd_fake)
 
-    @torch.library.register_fake("megatron_dualkv::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    torch.library.register_fake("megatron_dualkv::bwd")(_bwd_fake)
+    torch.library.register_fake("megatron_dualkv::bwd_sm90")(_bwd_fake)
 
 
 class _DualKVFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, row_work, row_work_fwd, kv_work, kv_ranges, scale, deterministic, sm90):
-        if sm90:
-            out, lse = torch.ops.megatron_dualkv.fwd_sm90(q, k, v, row_work_fwd, scale)
+    def forward(ctx, q, k, v, rw, rw128, kw, kw128, kr, scale, deterministic, fwd_sm90, bwd_sm90):
+        if fwd_sm90:
+            out, lse = torch.ops.megatron_dualkv.fwd_sm90(q, k, v, rw128, scale)
         else:
-            out, lse = torch.ops.megatron_dualkv.fwd(q, k, v, row_work, scale)
-        ctx.save_for_backward(q, k, v, out, lse, row_work, kv_work, kv_ranges)
+            out, lse = torch.ops.megatron_dualkv.fwd(q, k, v, rw, scale)
+        if bwd_sm90:
+            ctx.save_for_backward(q, k, v, out, lse, rw128, kw128, kr)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse, rw, kw, kr)
         ctx.scale = scale
         ctx.deterministic = deterministic
+        ctx.bwd_sm90 = bwd_sm90
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -238,11 +246,12 @@ class _DualKVFunction(torch.autograd.Function):
         q, k, v, out, lse, row_work, kv_work, kv_ranges = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.megatron_dualkv.bwd(
+        op = torch.ops.megatron_dualkv.bwd_sm90 if ctx.bwd_sm90 else torch.ops.megatron_dualkv.bwd
+        dq, dk, dv = op(
             dout.contiguous(), q, k, v, out, lse, None, row_work, kv_work, kv_ranges, ctx.scale,
             ctx.deterministic,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable) -> None:
@@ -263,19 +272,24 @@ def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable) -> None:
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,
-            deterministic: bool = False, fwd_impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
+            deterministic: bool = False, fwd_impl: Optional[str] = None,
+            bwd_impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """(out [T, Hq, D], lse [Hq, T] float32). Differentiable in q, k, v through `out`.
 
-    fwd_impl: "sm90" (wgmma, default) or "mma" (mma.sync); $MEGATRON_DUALKV_CUDA_FWD sets the default.
+    fwd_impl / bwd_impl: "sm90" (wgmma, default) or "mma" (mma.sync kernels);
+    $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD set the defaults.
     """
     _check(q, k, v, segments)
-    impl = _fwd_impl(fwd_impl)
+    fi = _impl(fwd_impl, "MEGATRON_DUALKV_CUDA_FWD", "forward")
+    bi = _impl(bwd_impl, "MEGATRON_DUALKV_CUDA_BWD", "backward")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    rw, rw128, kw, kr = work_tensors(segments, q.device)
-    return _DualKVFunction.apply(q, k, v, rw, rw128, kw, kr, scale, bool(deterministic), impl == "sm90")
+    rw, rw128, kw, kw128, kr = work_tensors(segments, q.device)
+    return _DualKVFunction.apply(q, k, v, rw, rw128, kw, kw128, kr, scale, bool(deterministic), fi == "sm90",
+                                 bi == "sm90")
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,
-              deterministic: bool = False, fwd_impl: Optional[str] = None) -> Tensor:
+              deterministic: bool = False, fwd_impl: Optional[str] = None,
+              bwd_impl: Optional[str] = None) -> Tensor:
     """out [T, Hq, D]; differentiable."""
-    return forward(q, k, v, segments, softmax_scale, deterministic, fwd_impl)[0]
+    return forward(q, k, v, segments, softmax_scale, deterministic, fwd_impl, bwd_impl)[0]

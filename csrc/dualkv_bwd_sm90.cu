@@ -1,0 +1,376 @@
+// DualKV backward for Hopper (sm_90a): wgmma versions of the dK/dV and dQ kernels.
+//
+// dK/dV: one CTA = 2 warpgroups = one key tile of 128 rows (64 per warpgroup) and one kv head;
+// it walks the query heads of its GQA group and every 64-row query tile that attends the key tile
+// (the causal rows of its own segment, then the merged child ranges in full), double-buffering
+// Q, dO, lse and delta. Per query tile and warpgroup:
+//   S^T = K Q^T, dP^T = V dO^T               (wgmma, both operands in shared memory, K-major)
+//   P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta)   (registers)
+//   dV += P^T dO, dK += dS^T Q               (wgmma, A from registers, B = dO / Q N-major)
+// dQ: one CTA = 2 warpgroups = one 128-row query tile of one query head, key tiles of 64 rows:
+//   S = Q K^T, dP = dO V^T; dS = P (dP - delta); dQ += dS K.
+// Both accumulate in registers in a fixed order: deterministic, no atomics.
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <math.h>
+
+#include "dualkv_kernels.h"
+#include "wgmma_ops.h"
+#include "sm90_common.h"
+
+namespace mdkv {
+namespace sm90 {
+
+constexpr int kKV = 128;  // dK/dV: key rows per CTA
+constexpr int kQT = 64;   // dK/dV: query rows per step
+constexpr int kRQ = 128;  // dQ: query rows per CTA
+constexpr int kRK = 64;   // dQ: key rows per step
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+  T* sK = reinterpret_cast<T*>(base);
+  T* sV = sK + kKV * D;
+  T* sQ = sV + kKV * D;          // 2 stages of kQT x D
+  T* sdO = sQ + 2 * kQT * D;     // 2 stages
+  float* sL = reinterpret_cast<float*>(sdO + 2 * kQT * D);  // 2 stages of kQT (lse * log2e)
+  float* sD = sL + 2 * kQT;                                  // 2 stages of kQT (delta)
+
+  const int group = a.hq / a.hkv;
+  const int item = blockIdx.x / a.hkv;
+  const int hk = blockIdx.x % a.hkv;
+  const int* w = a.work + item * 8;
+  const int k0 = w[0], k1 = w[1], seg_end = w[2], rlo = w[3], rhi = w[4], per_head = w[5];
+  const int n_own = (seg_end - k0 + kQT - 1) / kQT;
+  const int n_iter = per_head * group;
+
+  auto query_tile = [&](int i, int& q0, int& qend, bool& causal) {
+    if (i < n_own) {
+      q0 = k0 + i * kQT;
+      qend = seg_end;
+      causal = true;
+      return;
+    }
+    i -= n_own;
+    for (int r = rlo; r < rhi; ++r) {
+      const int ra = a.ranges[2 * r], rb = a.ranges[2 * r + 1];
+      const int n = (rb - ra + kQT - 1) / kQT;
+      if (i < n) {
+        q0 = ra + i * kQT;
+        qend = rb;
+        causal = false;
+        return;
+      }
+      i -= n;
+    }
+    q0 = 0;
+    qend = 0;
+    causal = false;
+  };
+
+  const long qs = (long)a.hq * D, ks = (long)a.hkv * D;
+  const T* kg = reinterpret_cast<const T*>(a.k) + hk * D;
+  const T* vg = reinterpret_cast<const T*>(a.v) + hk * D;
+
+  const int wg = threadIdx.x >> 7;
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int krow_a = k0 + wg * 64 + warp * 16 + (lane >> 2);  // key rows krow_a, krow_a + 8
+
+  load_tile<T, D, kKV>(sK, kg, ks, k0, k1);
+  load_tile<T, D, kKV>(sV, vg, ks, k0, k1);
+
+  auto issue = [&](int it, int stage) {
+    const int h = hk * group + it / per_head;
+    int q0, qend;
+    bool causal;
+    query_tile(it % per_head, q0, qend, causal);
+    const T* qg = reinterpret_cast<const T*>(a.q) + h * D;
+    const T* dog = reinterpret_cast<const T*>(a.dout) + h * D;
+    load_tile<T, D, kQT>(sQ + stage * kQT * D, qg, qs, q0, qend);
+    load_tile<T, D, kQT>(sdO + stage * kQT * D, dog, qs, q0, qend);
+    if (threadIdx.x < kQT) {
+      const int row = q0 + threadIdx.x;
+      const bool ok = row < qend;
+      const long idx = (long)h * a.T + (ok ? row : 0);
+      sL[stage * kQT + threadIdx.x] = ok ? a.lse[idx] * kLog2e : 0.f;
+      sD[stage * kQT + threadIdx.x] = ok ? a.delta[idx] : 0.f;
+    }
+  };
+
+  if (n_iter > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  const float sl2 = a.scale_log2;
+
+  for (int it = 0; it < n_iter; ++it) {
+    const int st = it & 1;
+    if (it + 1 < n_iter) issue(it + 1, st ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+
+    int q0, qend;
+    bool causal;
+    query_tile(it % per_head, q0, qend, causal);
+    const T* cQ = sQ + st * kQT * D;
+    const T* cdO = sdO + st * kQT * D;
+    const float* cL = sL + st * kQT;
+    const float* cD = sD + st * kQT;
+
+    float s[32], dp[32];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t dk_ = desc(sK + (kk >> 2) * kKV * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
+      const uint64_t dq_ = desc(cQ + (kk >> 2) * kQT * 64 + (kk & 3) * 16, 16, 1024);
+      wgmma_ss<64, T>(s, dk_, dq_, kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t dv_ = desc(sV + (kk >> 2) * kKV * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
+      const uint64_t do_ = desc(cdO + (kk >> 2) * kQT * 64 + (kk & 3) * 16, 16, 1024);
+      wgmma_ss<64, T>(dp, dv_, do_, kk > 0 ? 1 : 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+
+    const bool msk = (q0 + kQT > qend) || (causal && q0 < k0 + kKV);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
+        float p = exp2f(fmaf(s[4 * j + e], sl2, -cL[c]));
+        if (msk) {
+          const int qrow = q0 + c;
+          const int krow = krow_a + (e >> 1) * 8;
+          if (qrow >= qend || (causal && qrow < krow)) p = 0.f;
+        }
+        s[4 * j + e] = p;
+        dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
+      }
+
+    uint32_t pa[4][4], da[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        pa[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+        da[kk][x] = pack2<T>(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
+      }
+    }
+    reg_fence(dv);
+    reg_fence(dk);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t b = desc(cdO + kk * 16 * 64, kQT * 64 * (int)sizeof(T), 1024);
+      wgmma_rs_tb<D, T>(dv, pa[kk], b, 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t b = desc(cQ + kk * 16 * 64, kQT * 64 * (int)sizeof(T), 1024);
+      wgmma_rs_tb<D, T>(dk, da[kk], b, 1);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(dv);
+    reg_fence(dk);
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
+  T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = krow_a + r * 8;
+    if (row < k1) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const long off = (long)row * ks + j * 8 + (lane & 3) * 2;
+        *reinterpret_cast<uint32_t*>(dkg + off) = pack2<T>(dk[4 * j + 2 * r] * a.scale, dk[4 * j + 2 * r + 1] * a.scale);
+        *reinterpret_cast<uint32_t*>(dvg + off) = pack2<T>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+  T* sQ = reinterpret_cast<T*>(base);
+  T* sdO = sQ + kRQ * D;
+  T* sK = sdO + kRQ * D;      // 2 stages of kRK x D
+  T* sV = sK + 2 * kRK * D;   // 2 stages
+
+  const int item = blockIdx.x / a.hq;
+  const int h = blockIdx.x % a.hq;
+  const int hk = h / (a.hq / a.hkv);
+  const int* w = a.work + item * 8;
+  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4];
+  const int n_par = (par1 - par0 + kRK - 1) / kRK;
+  const int n_total = n_par + (q1 - self0 + kRK - 1) / kRK;
+  auto kv_start = [&](int t) { return t < n_par ? par0 + t * kRK : self0 + (t - n_par) * kRK; };
+  auto kv_end = [&](int t) { return t < n_par ? par1 : q1; };
+
+  const long qs = (long)a.hq * D, ks = (long)a.hkv * D;
+  const T* qg = reinterpret_cast<const T*>(a.q) + h * D;
+  const T* dog = reinterpret_cast<const T*>(a.dout) + h * D;
+  const T* kg = reinterpret_cast<const T*>(a.k) + hk * D;
+  const T* vg = reinterpret_cast<const T*>(a.v) + hk * D;
+
+  const int wg = threadIdx.x >> 7;
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int row_a = q0 + wg * 64 + warp * 16 + (lane >> 2);
+
+  load_tile<T, D, kRQ>(sQ, qg, qs, q0, q1);
+  load_tile<T, D, kRQ>(sdO, dog, qs, q0, q1);
+  load_tile<T, D, kRK>(sK, kg, ks, kv_start(0), kv_end(0));
+  load_tile<T, D, kRK>(sV, vg, ks, kv_start(0), kv_end(0));
+  cp_async_commit();
+
+  const float sl2 = a.scale_log2;
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_a + r * 8;
+    const bool ok = row < q1;
+    lse2[r] = ok ? a.lse[(long)h * a.T + row] * kLog2e : 0.f;
+    dlt[r] = ok ? a.delta[(long)h * a.T + row] : 0.f;
+  }
+
+  float dq[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+
+  for (int t = 0; t < n_total; ++t) {
+    const int st = t & 1;
+    if (t + 1 < n_total) {
+      load_tile<T, D, kRK>(sK + (st ^ 1) * kRK * D, kg, ks, kv_start(t + 1), kv_end(t + 1));
+      load_tile<T, D, kRK>(sV + (st ^ 1) * kRK * D, vg, ks, kv_start(t + 1), kv_end(t + 1));
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+
+    const T* cK = sK + st * kRK * D;
+    const T* cV = sV + st * kRK * D;
+    float s[32], dp[32];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da_ = desc(sQ + (kk >> 2) * kRQ * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
+      const uint64_t db_ = desc(cK + (kk >> 2) * kRK * 64 + (kk & 3) * 16, 16, 1024);
+      wgmma_ss<64, T>(s, da_, db_, kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da_ = desc(sdO + (kk >> 2) * kRQ * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
+      const uint64_t db_ = desc(cV + (kk >> 2) * kRK * 64 + (kk & 3) * 16, 16, 1024);
+      wgmma_ss<64, T>(dp, da_, db_, kk > 0 ? 1 : 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+
+    const int k0 = kv_start(t);
+    const bool is_par = t < n_par;
+    const bool msk = is_par ? (k0 + kRK > par1) : (k0 + kRK - 1 > q0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float p = exp2f(fmaf(s[4 * j + e], sl2, -lse2[r]));
+        if (msk) {
+          const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+          const int row = row_a + r * 8;
+          if (!(is_par ? (col < par1) : (col <= row))) p = 0.f;
+        }
+        s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);  // dS
+      }
+
+    uint32_t da[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) da[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+    reg_fence(dq);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t b = desc(cK + kk * 16 * 64, kRK * 64 * (int)sizeof(T), 1024);
+      wgmma_rs_tb<D, T>(dq, da[kk], b, 1);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(dq);
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  T* dqg = reinterpret_cast<T*>(a.dq) + h * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_a + r * 8;
+    if (row < q1) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const uint32_t v = pack2<T>(dq[4 * j + 2 * r] * a.scale, dq[4 * j + 2 * r + 1] * a.scale);
+        *reinterpret_cast<uint32_t*>(dqg + (long)row * qs + j * 8 + (lane & 3) * 2) = v;
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+static cudaError_t bwd_t(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, cudaStream_t stream) {
+  cudaError_t e = launch_delta(da, dtype, D, stream);
+  if (e != cudaSuccess) return e;
+  {
+    const int smem = (2 * kKV * D + 4 * kQT * D) * (int)sizeof(T) + 4 * kQT * (int)sizeof(float) + 1024;
+    auto k = dkdv_kernel<T, D>;
+    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    if (ka.num_items > 0) k<<<(unsigned)ka.num_items * ka.hkv, kThreads, smem, stream>>>(ka);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  {
+    const int smem = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
+    auto k = dq_kernel<T, D>;
+    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    if (qa.num_items > 0) k<<<(unsigned)qa.num_items * qa.hq, kThreads, smem, stream>>>(qa);
+    e = cudaGetLastError();
+  }
+  return e;
+}
+
+}  // namespace sm90
+
+cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
+                            cudaStream_t stream) {
+  if (dtype == kBF16 && d == 128) return sm90::bwd_t<__nv_bfloat16, 128>(da, qa, ka, dtype, stream);
+  if (dtype == kBF16 && d == 64) return sm90::bwd_t<__nv_bfloat16, 64>(da, qa, ka, dtype, stream);
+  if (dtype == kFP16 && d == 128) return sm90::bwd_t<__half, 128>(da, qa, ka, dtype, stream);
+  if (dtype == kFP16 && d == 64) return sm90::bwd_t<__half, 64>(da, qa, ka, dtype, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace mdkv
