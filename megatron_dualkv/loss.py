@@ -465,8 +465,12 @@ def group_advantages(
         # centred quantities, so equal rewards give exactly zero spread)
         k = n_m - w
         b = (n_m * mu_m - w * r) / k.clamp_min(1)
-        sq = ss_m + n_m * (mu_m - b) ** 2 - w * (r - b) ** 2
-        sq = sq.clamp_min(0)
+        terms = (ss_m, n_m * (mu_m - b) ** 2, w * (r - b) ** 2)
+        sq = terms[0] + terms[1] - terms[2]
+        # The subtraction cancels: a spread below its rounding error (all others equal) is zero,
+        # not a tiny number that the std normalisation would blow up.
+        noise = 16 * torch.finfo(dtype).eps * (terms[0] + terms[1] + terms[2])
+        sq = torch.where(sq > noise, sq, torch.zeros_like(sq))
     adv = r - b
     if normalize_std:
         dof = k - (1 if unbiased_std else 0)

@@ -633,3 +633,16 @@ def test_grpo_loss_and_every_parameter_gradient_through_megatron_match_replicate
         assert p.grad is not None and got[name].grad is not None, name
         torch.testing.assert_close(got[name].grad, p.grad, **tol, msg=lambda s: f"{name}: {s}")
     assert any(p.grad.abs().max() > 0 for p in got.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_leave_one_out_with_equal_others_is_not_blown_up(dtype):
+    """Others all equal: their std is exactly 0, so the advantage stays r - b (regression: the
+    cancelling sum of squares once left ~1e-17 and the std scaling returned -1e6)."""
+    layout = build_layout([([0], [[0]] * 5)])
+    adv = group_advantages(torch.tensor([1.0, 0, 1, 1, 1], dtype=dtype), layout, baseline="leave_one_out")
+    # response 1: others {1,1,1,1} -> b = 1, std 0 -> -1 unscaled; others of response 0: {0,1,1,1}
+    others = torch.tensor([0.0, 1, 1, 1], dtype=torch.float64)
+    expect0 = (1 - others.mean()) / (others.std() + 1e-6)
+    torch.testing.assert_close(adv[1], torch.tensor(-1.0, dtype=dtype))
+    torch.testing.assert_close(adv[0].double(), expect0, rtol=1e-6, atol=0)
