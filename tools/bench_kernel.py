@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import platform
@@ -35,6 +36,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +108,12 @@ def group_segments(n, p, r) -> SegmentTable:
     return SegmentTable.from_host(start, [p] + [r] * n, [-1] + [0] * n, device="cuda")
 
 
+def _flex_static_entry(q, k, v, block_mask, scale):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
 def run_packed(name, shape, warmup, reps, state):
     """cuda / flex-* on the packed micro-batch [P | R_1 | ... | R_N]."""
     n, p, r = shape
@@ -146,17 +154,17 @@ def run_packed(name, shape, warmup, reps, state):
         notes.append(f"mask {1e3 * (time.perf_counter() - t0):.0f} ms")
         fwd = lambda: flex_backend.attention(q, k, v, seg, scale, kernel=kernel)  # noqa: E731
     elif name == "flex-static":
-        from torch.nn.attention.flex_attention import flex_attention
-
         from megatron_dualkv.ops import flex_backend
 
-        torch._dynamo.reset()  # a fresh static compile for this length, as a per-shape benchmark does
-        static = torch.compile(flex_attention, dynamic=False)
+        # a static compile for this length, as per-shape benchmarks do; its own code object, so
+        # it neither shares the 8-entry recompile limit nor disturbs the dynamic backend's cache
+        code = _flex_static_entry.__code__.replace(co_name=f"_flex_static_{t}")
+        static = torch.compile(types.FunctionType(code, globals()), dynamic=False)
         padded, mask = flex_backend.cached_block_mask(seg)
         if padded.num_tokens != t:
             raise Skip("static variant only for block-multiple lengths")
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        fwd = lambda: static(qh, kh, vh, block_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)  # noqa: E731
+        fwd = lambda: static(qh, kh, vh, mask, scale)[0].transpose(0, 1)  # noqa: E731
     else:
         raise ValueError(name)
 
@@ -206,7 +214,6 @@ def run_replicated(name, shape, warmup, reps, state):
     notes = []
     gqa = state.get(("gqa", name), True)
     chunks_options = [c for c in range(1, n + 1) if n % c == 0]
-    last_exc = None
     for chunks in chunks_options:
         try:
             try:
@@ -220,14 +227,15 @@ def run_replicated(name, shape, warmup, reps, state):
                     f, b, fb, peak = _run_replicated_chunk(name, n // chunks, p + r, warmup, reps, gqa)
                 else:
                     raise
-        except torch.OutOfMemoryError as exc:
-            last_exc = exc
+        except torch.OutOfMemoryError:
+            # keep no reference to the exception: its traceback holds the attempt's tensors
+            gc.collect()
             torch.cuda.empty_cache()
             continue
         if chunks > 1:
             notes.append(f"chunks={chunks} (one timed, x{chunks}; peak of one)")
         return dict(fwd=f * chunks, bwd=b * chunks, fb=fb * chunks, peak=peak, notes=notes)
-    raise last_exc
+    raise torch.OutOfMemoryError(f"{name}: out of memory even one sequence at a time")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,16 +335,16 @@ def main(argv=None):
                 except Exception as exc:  # report and go on: one backend's failure is a result too
                     traceback.print_exc()
                     res = {"status": "error", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                gc.collect()  # tracebacks and cycles must not carry tensors into the next row
                 torch.cuda.empty_cache()
                 print(f"  [{time.perf_counter() - t0:6.1f}s] {shape} {backend}: "
                       + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms, fwd+bwd {res['fb']:.2f} ms"), flush=True)
             rows.append(row_for(shape, backend, res))
-    table = markdown(rows)
+            if args.out:  # rewritten after every measurement: a run cut short keeps what it measured
+                with open(args.out, "w") as fh:
+                    fh.write("\n".join(f"- {h}" for h in header) + "\n\n" + markdown(rows) + "\n")
     print()
-    print(table)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(f"- {h}" for h in header) + "\n\n" + table + "\n")
+    print(markdown(rows))
     return rows
 
 
