@@ -302,6 +302,7 @@ def megatron_cpu_shims() -> Iterator[None]:
         stack.enter_context(cuda_runtime_as_cpu())
         stack.enter_context(sequence_parallel_torch_norm())
         stack.enter_context(all_to_all_split_sizes_as_lists())
+        stack.enter_context(cuda_rng_state_on_cpu())
         stack.enter_context(CudaPlacementOnCpu())
         yield
 
@@ -318,10 +319,13 @@ def model_parallel(
 
     The RNG tracker is Megatron's inference tracker (forking it is a no-op): the stock tracker
     saves and restores CUDA generator states. Tests run without dropout, so nothing needs it.
-    Destroys the model-parallel state on exit so that the next test can choose other sizes.
+    Destroys the model-parallel state on exit so that the next test can choose other sizes, and
+    starts and ends with a fresh MoE metrics tracker (process-global: metric entries left by an
+    earlier test would otherwise make ranks disagree on which metrics to reduce).
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     if not dist.is_initialized():
         raise RuntimeError("model_parallel() needs torch.distributed initialised (gloo)")
@@ -335,10 +339,12 @@ def model_parallel(
         create_gloo_process_groups=False,  # the default groups already are gloo groups
     )
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    destroy_moe_metrics_tracker()
     torch.manual_seed(seed)
     try:
         yield ProcessGroupCollection.use_mpu_process_groups()
     finally:
+        destroy_moe_metrics_tracker()
         parallel_state.destroy_model_parallel()
         tensor_parallel.random.initialize_rng_tracker(force_reset=True, inference_rng_tracker=True)
 

@@ -36,6 +36,7 @@ class Case:
     ep: int = 1
     sequence_parallel: bool = False
     moe: bool = False
+    router: tuple = ()  # extra MoE router settings, (name, value) pairs, e.g. seq aux loss, z-loss
 
     @property
     def world_size(self) -> int:
@@ -88,6 +89,7 @@ def model_config(case: Case):
 
     return qwen3_config(
         "tiny-moe" if case.moe else "tiny",
+        **dict(case.router),
         vocab_size=VOCAB, use_cpu_initialization=True, params_dtype=torch.float32,
         tensor_model_parallel_size=case.tp, expert_model_parallel_size=case.ep,
         sequence_parallel=case.sequence_parallel,
@@ -278,7 +280,7 @@ def train_step(case: Case, microbatches_per_replica: list, full_weights: Optiona
             "grad_norm": grad_norm,
             "logprobs": logprobs,
             "loss_sums": loss_sums,
-            "aux_loss": recorded_aux_loss(),
+            "router_losses": recorded_router_losses(),
             "replicated_logprobs": replicated,
         }
 
@@ -302,20 +304,26 @@ def sgd_step(ddp, shards: dict) -> tuple[float, dict]:
     return float(grad_norm), {n: (shards[n], p.detach().clone()) for n, p in ddp.module.named_parameters()}
 
 
-def recorded_aux_loss() -> Optional[torch.Tensor]:
-    """Per-layer load-balancing loss as Megatron's MoE tracker reports it for this rank: summed
-    over the group the router names (TP x CP: with sequence parallelism each TP rank routes a
-    slice of the tokens); the DP average of the report is left to the test (it sums instead)."""
+def recorded_router_losses() -> dict:
+    """Per-layer MoE router losses as Megatron's tracker reports them, reduced over TP x CP only:
+    summed over the group a metric names for reduction (with sequence parallelism each TP rank
+    routes a slice of the tokens), averaged over TP x CP for a metric named for averaging. The
+    data-parallel part of the report is left to the test (it sums over replicas instead)."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    entry = get_moe_metrics_tracker().metrics.get("load_balancing_loss")
-    if entry is None:
-        return None
-    values = entry.values.detach().clone()
-    if entry.reduce_group is not None:
-        dist.all_reduce(values, group=entry.reduce_group)
-    return values
+    out = {}
+    for name, entry in sorted(get_moe_metrics_tracker().metrics.items()):  # same order on every rank
+        values = entry.values.detach().clone()
+        if entry.reduce_group is not None:
+            dist.all_reduce(values, group=entry.reduce_group)
+        elif entry.avg_group is not None:
+            group = ps.get_tensor_and_context_parallel_group()
+            dist.all_reduce(values, group=group)
+            values /= group.size()
+        out[name] = values
+    return out
 
 
 def _dp_index(case: Case, rank: int) -> int:
@@ -375,7 +383,7 @@ def assert_grads_equal(full: dict, reference: dict, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def workers():
-    with GlooWorkers(2, timeout_s=240) as w:
+    with GlooWorkers(2, timeout_s=90) as w:
         yield w
 
 
@@ -395,6 +403,17 @@ def parallel(workers, case: Case, microbatches_per_replica: list, weights: dict)
 
 def reference_grads(ref: dict, key: str = "grads") -> dict:
     return {n: g for n, (s, g) in ref[key].items()}
+
+
+def check_router_losses(got: dict, want: dict, what: str) -> None:
+    """Every per-layer router loss the tracker recorded (load balancing, seq, z), accumulated over
+    micro-batches; a MoE reference must have recorded at least one, and none may be zero."""
+    assert set(got) == set(want), f"{what}: router losses {sorted(got)} != {sorted(want)}"
+    if want:
+        assert any("load_balancing" in k for k in want), f"{what}: no load-balancing loss in {sorted(want)}"
+    for name, w in want.items():
+        assert (w != 0).all(), f"reference {name} has a zero layer: the comparison would be empty"
+        assert_close(got[name], w, f"{what}: router {name} per layer")
 
 
 def check_step(out: list, ref: dict, what: str) -> None:
@@ -432,15 +451,21 @@ def test_reference_dualkv_step_equals_replicated_step(workers):
         for k in range(len(mbs)):
             assert_close(dual["logprobs"][k], base["logprobs"][k], f"moe={moe} micro-batch {k}: logprobs")
             assert_close(dual["loss_sums"][k], base["loss_sums"][k], f"moe={moe} micro-batch {k}: loss")
-        if moe:
-            assert_close(dual["aux_loss"], base["aux_loss"], "router load-balancing loss per layer")
+        check_router_losses(dual["router_losses"], base["router_losses"], f"moe={moe} DualKV vs replicated")
         check_step([base], dual, f"moe={moe} replicated vs DualKV")
+
+
+# The Qwen3 default router loss, and the per-sequence variant with a z-loss on top.
+AUX_LOSS = ()
+SEQ_AUX_AND_Z_LOSS = (("moe_router_load_balancing_type", "seq_aux_loss"), ("moe_z_loss_coeff", 1e-3))
 
 
 @pytest.mark.parametrize(
     "case",
-    [Case(tp=2), Case(tp=2, sequence_parallel=True), Case(tp=2, sequence_parallel=True, moe=True)],
-    ids=["dense", "dense-sp", "moe-sp"],  # Megatron refuses MoE + TP training without SP
+    [Case(tp=2), Case(tp=2, sequence_parallel=True),
+     Case(tp=2, sequence_parallel=True, moe=True, router=AUX_LOSS),
+     Case(tp=2, sequence_parallel=True, moe=True, router=SEQ_AUX_AND_Z_LOSS)],
+    ids=["dense", "dense-sp", "moe-sp", "moe-sp-seqaux-z"],  # Megatron refuses MoE + TP training without SP
 )
 def test_tp2_equals_tp1(workers, case):
     """TP=2 (vocabulary, QKV/proj, MLP or expert MLP split; qk-layernorm / sequence-parallel norm
@@ -451,8 +476,7 @@ def test_tp2_equals_tp1(workers, case):
     for res in out:
         assert_close(res["logprobs"][0], ref["logprobs"][0], f"logprobs on rank {res['rank']}")
         assert_close(res["loss_sums"][0], ref["loss_sums"][0], f"loss on rank {res['rank']}")
-        if case.moe:
-            assert_close(res["aux_loss"], ref["aux_loss"], f"router aux loss on rank {res['rank']}")
+        check_router_losses(res["router_losses"], ref["router_losses"], f"rank {res['rank']}")
     if not case.sequence_parallel:
         check_against_replicated(out, [mbs], case)
     check_step(out, ref, f"TP=2 {case}")
@@ -467,12 +491,13 @@ def per_replica_microbatches(pad_to_multiple: int) -> list:
     return mbs
 
 
-def test_ep2_equals_ep1(workers):
+@pytest.mark.parametrize("router", [AUX_LOSS, SEQ_AUX_AND_Z_LOSS], ids=["aux", "seqaux-z"])
+def test_ep2_equals_ep1(workers, router):
     """MoE with the 4 experts split over 2 ranks (alltoall dispatcher); the two ranks are also DP
     replicas for the dense parameters, each with its own micro-batch. Reference: EP=1 on one rank
     holding both micro-batches. Router aux loss values and every gradient (experts gathered from
     their owning rank) must match."""
-    case = Case(ep=2, moe=True)
+    case = Case(ep=2, moe=True, router=router)
     mbs = per_replica_microbatches(1)
     ref = reference(workers, case, mbs)
     out = parallel(workers, case, [[mbs[0]], [mbs[1]]], ref["initial"])
@@ -481,8 +506,8 @@ def test_ep2_equals_ep1(workers):
         assert_close(res["loss_sums"][0], ref["loss_sums"][r], f"loss of micro-batch {r}")
     check_against_replicated(out, [[mbs[0]], [mbs[1]]], case)
     # per-layer load-balancing loss, accumulated over micro-batches: summed over the ranks
-    assert ref["aux_loss"] is not None and (ref["aux_loss"] > 0).all()
-    assert_close(out[0]["aux_loss"] + out[1]["aux_loss"], ref["aux_loss"], "router aux loss per layer")
+    summed = {k: out[0]["router_losses"][k] + out[1]["router_losses"][k] for k in out[0]["router_losses"]}
+    check_router_losses(summed, ref["router_losses"], "summed over the 2 replicas")
     check_step(out, ref, "EP=2")
 
 
