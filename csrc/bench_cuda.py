@@ -44,9 +44,11 @@ def main():
     quick = "--quick" in sys.argv
     hq, hkv, d = 32, 8, 128
     print(f"device: {torch.cuda.get_device_name()}")
-    print("| N | P | R | fwd ms mma | fwd ms sm90 | bwd ms mma | bwd ms sm90 | fwd+bwd ms mma | fwd+bwd ms sm90 | "
-          "fwd TF/s mma | fwd TF/s sm90 | fwd+bwd TF/s mma | fwd+bwd TF/s sm90 | peak GiB | fwd TF/s sm90 bk64x2 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("fwd: mma = mma.sync kernel, v0 = wgmma 128-key tiles 1 CTA/SM, v1 = wgmma 64-key tiles 2 CTAs/SM (default); "
+          "bwd (after the v1 forward): det = wgmma dK/dV + dQ kernels, fast = wgmma dK/dV with fp32 atomic dQ (default)")
+    print("| N | P | R | fwd ms mma | fwd ms v0 | fwd ms v1 | bwd ms det | bwd ms fast | fwd+bwd ms det | fwd+bwd ms fast | "
+          "fwd TF/s mma | fwd TF/s v0 | fwd TF/s v1 | fwd+bwd TF/s det | fwd+bwd TF/s fast | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (2048, 1024):
         for n, p in SHAPES:
             seg = layout(n, p, r)
@@ -67,21 +69,22 @@ def main():
                     fi = impl[:4] if impl != "mma" else "mma"
                     cuda_backend.forward(q, k, v, seg, scale, fwd_impl=fi)  # warm-up
                     f_ms[impl] = timed(lambda: cuda_backend.forward(q, k, v, seg, scale, fwd_impl=fi), reps)
-                os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "0"
+                os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "1"
             fb_ms = {}
-            for impl in ("mma", "sm90"):
+            for impl in ("mma", "sm90"):  # "mma" row: the sm90 deterministic backward
                 def fb():
-                    out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl=impl, bwd_impl=impl)
+                    out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl="sm90", bwd_impl="sm90",
+                                                 deterministic=(impl == "mma"))
                     out.backward(do)
                 fb()
                 fb_ms[impl] = timed(fb, reps)
             peak = torch.cuda.max_memory_allocated() / 2**30
             fl = 4 * d * hq * pairs(n, p, r)
-            fm, fs = f_ms["mma"], f_ms["sm90"]
-            bm, bs = fb_ms["mma"], fb_ms["sm90"]
-            print(f"| {n} | {p} | {r} | {fm:.1f} | {fs:.1f} | {bm - fm:.1f} | {bs - fs:.1f} | {bm:.1f} | {bs:.1f} | "
-                  f"{fl / fm / 1e9:.0f} | {fl / fs / 1e9:.0f} | {3.5 * fl / bm / 1e9:.0f} | {3.5 * fl / bs / 1e9:.0f} | "
-                  f"{peak:.1f} | {fl / f_ms['sm90v1'] / 1e9:.0f} |", flush=True)
+            fm, f0, f1 = f_ms["mma"], f_ms["sm90"], f_ms["sm90v1"]
+            bd, bf = fb_ms["mma"], fb_ms["sm90"]
+            print(f"| {n} | {p} | {r} | {fm:.1f} | {f0:.1f} | {f1:.1f} | {bd - f1:.1f} | {bf - f1:.1f} | {bd:.1f} | "
+                  f"{bf:.1f} | {fl / fm / 1e9:.0f} | {fl / f0 / 1e9:.0f} | {fl / f1 / 1e9:.0f} | {3.5 * fl / bd / 1e9:.0f} | "
+                  f"{3.5 * fl / bf / 1e9:.0f} | {peak:.1f} |", flush=True)
             del q, k, v, do
             q = k = v = None
             torch.cuda.empty_cache()

@@ -30,7 +30,8 @@ constexpr int kRQ = 128;  // dQ: query rows per CTA
 constexpr int kRK = 64;   // dQ: key rows per step
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename T, int D>
+// kAtomicDQ: also dQ += dS K for the query tile, added to a.dq_acc with fp32 atomics (fast mode)
+template <typename T, int D, bool kAtomicDQ>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
   extern __shared__ unsigned char smem_raw[];
   const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
@@ -40,6 +41,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
   T* sdO = sQ + 2 * kQT * D;     // 2 stages
   float* sL = reinterpret_cast<float*>(sdO + 2 * kQT * D);  // 2 stages of kQT (lse * log2e)
   float* sD = sL + 2 * kQT;                                  // 2 stages of kQT (delta)
+  // dS^T [kKV x kQT] (one 128-byte-swizzled panel), fast mode only; 1024-aligned
+  T* sdS = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(sD + 2 * kQT) + 1023) & ~uintptr_t(1023));
 
   const int group = a.hq / a.hkv;
   const int item = blockIdx.x / a.hkv;
@@ -121,6 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
     int q0, qend;
     bool causal;
     query_tile(it % per_head, q0, qend, causal);
+    const int h = hk * group + it / per_head;
     const T* cQ = sQ + st * kQT * D;
     const T* cdO = sdO + st * kQT * D;
     const float* cL = sL + st * kQT;
@@ -170,6 +174,19 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
         da[kk][x] = pack2<T>(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
       }
     }
+    float dq[32];
+    if (kAtomicDQ) {
+      // dS^T rows (key) x cols (query) into shared memory for dQ = dS K (contracts over all 128 keys)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = wg * 64 + warp * 16 + (lane >> 2) + hh * 8;
+          *reinterpret_cast<uint32_t*>(sdS + poff<kKV>(r, j) + (lane & 3) * 2) = da[j >> 1][(j & 1) * 2 + hh];
+        }
+      fence_proxy_async();
+      __syncthreads();
+    }
     reg_fence(dv);
     reg_fence(dk);
     wg_fence();
@@ -183,10 +200,34 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
       const uint64_t b = desc(cQ + kk * 16 * 64, kQT * 64 * (int)sizeof(T), 1024);
       wgmma_rs_tb<D, T>(dk, da[kk], b, 1);
     }
+    // warpgroup wg computes dQ[:, 64 wg : 64 wg + 64] (for D = 64 only warpgroup 0 works)
+    const bool dq_here = kAtomicDQ && wg < D / 64;
+    if (dq_here) {
+#pragma unroll
+      for (int kk = 0; kk < kKV / 16; ++kk) {
+        const uint64_t a_ = desc(sdS + kk * 16 * 64, kKV * 64 * (int)sizeof(T), 1024);
+        const uint64_t b_ = desc(sK + wg * kKV * 64 + kk * 16 * 64, kKV * 64 * (int)sizeof(T), 1024);
+        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
+      }
+    }
     wg_commit();
     wg_wait<0>();
     reg_fence(dv);
     reg_fence(dk);
+    if (dq_here) {
+      reg_fence(dq);
+      float* acc = a.dq_acc + (long)h * D + wg * 64;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = q0 + warp * 16 + (lane >> 2) + hh * 8;
+        if (row < qend) {
+          float* rp = acc + (long)row * a.hq * D + (lane & 3) * 2;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
+        }
+      }
+    }
     __syncthreads();
   }
   cp_async_wait<0>();
@@ -342,16 +383,18 @@ template <typename T, int D>
 static cudaError_t bwd_t(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, cudaStream_t stream) {
   cudaError_t e = launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
+  const bool atomic_dq = ka.dq_acc != nullptr;
   {
-    const int smem = (2 * kKV * D + 4 * kQT * D) * (int)sizeof(T) + 4 * kQT * (int)sizeof(float) + 1024;
-    auto k = dkdv_kernel<T, D>;
+    const int smem = (2 * kKV * D + 4 * kQT * D) * (int)sizeof(T) + 4 * kQT * (int)sizeof(float) + 1024 +
+                     (atomic_dq ? kKV * kQT * (int)sizeof(T) + 1024 : 0);
+    auto k = atomic_dq ? dkdv_kernel<T, D, true> : dkdv_kernel<T, D, false>;
     e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     if (ka.num_items > 0) k<<<(unsigned)ka.num_items * ka.hkv, kThreads, smem, stream>>>(ka);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  {
+  if (!atomic_dq) {
     const int smem = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
     auto k = dq_kernel<T, D>;
     e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -52,6 +52,7 @@ struct DkvArgs {
   void* dv;
   const int* work;    // kv items, 8 int32 each
   const int* ranges;  // 2 int32 per range
+  float* dq_acc;      // fast mode (sm90): fp32 [T, Hq, D] dQ accumulator (unscaled), atomics; else null
   int num_items;
   int T, hq, hkv;
   float scale, scale_log2;
@@ -63,6 +64,8 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t str
 // delta = rowsum(dO * O) - dlse
 cudaError_t launch_delta(const DeltaArgs& da, int dtype, int d, cudaStream_t stream);
 // Hopper backward (wgmma; row items of 128-row query tiles, kv items of 128-row key tiles)
+// ka.dq_acc != nullptr: dQ accumulated by the dK/dV kernel with fp32 atomics (no dQ kernel;
+// the caller converts dq_acc), else the deterministic dQ kernel runs.
 cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                             cudaStream_t stream);
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,

@@ -10,3 +10,6 @@ fi
 export MEGATRON_DUALKV_CUDA_LIB=$PWD/.gpu/build/_C.so
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_kernel.py 2>&1 | tee $OUT/test.log
 timeout ${BENCH_TIMEOUT:-200} python3 csrc/bench_cuda.py ${BENCH_ARGS} 2>&1 | tee $OUT/bench.log
+if [ -n "$FLEX_COMPARE" ]; then
+  timeout ${FLEX_TIMEOUT:-150} python3 tools/bench_kernel.py --quick --backends cuda,flex-triton 2>&1 | tee $OUT/bench_kernel.log
+fi
