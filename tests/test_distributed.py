@@ -532,3 +532,63 @@ def test_dp2_grads_equal_single_rank_sum(workers):
     alone = [reference_grads(reference(workers, case, [mb], weights=ref["initial"])) for mb in mbs]
     expected = {k: (n[0] * alone[0][k] + n[1] * alone[1][k]) / (n[0] + n[1]) for k in alone[0]}
     assert_grads_equal(gather_full_grads(out), expected, "DP=2 vs sum_k N_k grad_k / N")
+
+
+# ------------------------------------------------------------------------------------------------
+# The harness itself: a wrong shard is caught, a failing or hanging rank fails the test
+# (last in the file: the launcher tests kill the workers)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_wrong_tp_shard_would_fail(workers):
+    """Negative control: split the SwiGLU fc1 weight [gate; up] as one block (rank 0 gets only
+    gate rows, rank 1 only up rows) and the TP=2 logprobs no longer match TP=1."""
+    case = Case(tp=2)
+    mbs = [make_microbatch(seed=10, pad_to_multiple=2)]
+    ref = reference(workers, case, mbs)
+    wrong = dict(ref["initial"])
+    for name, w in ref["initial"].items():
+        if name.endswith("linear_fc1.weight"):
+            gate, up = w.chunk(2, 0)
+            # what take_shard(gated=True) would produce for this weight, if it were gated=False
+            wrong[name] = torch.cat([torch.cat([gate.chunk(2, 0)[0], up.chunk(2, 0)[0]]),
+                                     torch.cat([gate.chunk(2, 0)[1], up.chunk(2, 0)[1]])])
+    out = parallel(workers, case, [mbs], wrong)
+    diff = (out[0]["logprobs"][0] - ref["logprobs"][0]).abs().max()
+    assert diff > 100 * RTOL * ref["logprobs"][0].abs().max(), f"a wrong shard changed logprobs by only {diff:.3e}"
+
+
+def _fail_on_rank_1():
+    import torch.distributed as dist
+
+    assert dist.get_rank() != 1, "deliberate failure on rank 1"
+    dist.barrier()  # rank 0 would wait here forever without the launcher's handling
+
+
+def _hang_on_rank_0():
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    return dist.get_rank()
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_launcher_reports_a_failing_rank_with_its_traceback(workers):
+    # rank 0 fails too (its barrier loses rank 1); the root cause must be in the message
+    with pytest.raises(AssertionError, match=r"(?s)rank\(s\) \[(0, )?1\].*--- rank 1 ---.*deliberate failure on rank 1"):
+        workers.run(_fail_on_rank_1)
+    assert workers.run(_rank) == [(0, 2), (1, 2)], "workers restart after a failure"
+
+
+def test_launcher_times_out_on_a_hang(workers):
+    assert workers.run(_rank, world_size=2) == [(0, 2), (1, 2)]  # warm: only the hang can time out
+    with pytest.raises(TimeoutError, match=r"_hang_on_rank_0: ranks \[0\] did not finish"):
+        workers.run(_hang_on_rank_0, timeout_s=5)
