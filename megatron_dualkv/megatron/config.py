@@ -125,8 +125,11 @@ def build_dualkv_model(
     vp_stage: Optional[int] = None,
     attention_backend: Optional[str] = None,
     replicate_moe_aux_loss: bool = True,
+    cp_chunks_per_rank: int = 8,
+    cp_chunk_multiple: int = 128,
 ) -> DualKVGPTModel:
-    """Model provider for DualKV training: DualKVGPTModel with the DualKV block spec."""
+    """Model provider for DualKV training: DualKVGPTModel with the DualKV block spec.
+    cp_*: how micro-batches are split under context parallelism (see DualKVGPTModel)."""
     spec = get_dualkv_decoder_block_spec(
         cfg.transformer, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage,
         attention_backend=attention_backend,
@@ -134,7 +137,7 @@ def build_dualkv_model(
     return DualKVGPTModel(
         cfg.transformer, spec, pre_process=pre_process, post_process=post_process,
         pg_collection=pg_collection, vp_stage=vp_stage, replicate_moe_aux_loss=replicate_moe_aux_loss,
-        **cfg.gpt_kwargs(),
+        cp_chunks_per_rank=cp_chunks_per_rank, cp_chunk_multiple=cp_chunk_multiple, **cfg.gpt_kwargs(),
     )
 
 

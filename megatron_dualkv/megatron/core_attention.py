@@ -10,6 +10,12 @@ do this) and hand the micro-batch layout to the model through the packed-sequenc
 Megatron as ONE packed sequence (cu_seqlens = [0, T]): Megatron's THD RoPE then applies the
 per-token rotary table row by row (see `DualKVGPTModel._preprocess`), and this module replaces
 Megatron's per-sequence causal attention by the DualKV mask read from the layout.
+
+Context parallelism (cp > 1): the packed-seq params also carry the rank's `CPShard`; the module
+all-gathers K/V over the CP group and runs the rank's queries against them with their global
+rows (megatron_dualkv.cp). To Megatron the micro-batch is one sequence of cp * L rows of which
+this rank holds L (cu_seqlens = [0, cp * L]), so its THD RoPE takes this rank's slice of a table
+built for that (see `DualKVGPTModel._preprocess`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..cp import CPShard, cp_dualkv_attention
 from ..layout import PackedLayout
 from ..ops import dualkv_attention
 
@@ -35,6 +43,7 @@ class DualKVPackedSeqParams(PackedSeqParams):
     """PackedSeqParams that also carry the DualKV layout of the micro-batch (qkv_format 'thd')."""
 
     layout: Optional[PackedLayout] = None
+    cp_shard: Optional[CPShard] = None  # this rank's rows under context parallelism
 
 
 def rotary_position_limit(layout: PackedLayout) -> int:
@@ -42,7 +51,7 @@ def rotary_position_limit(layout: PackedLayout) -> int:
     return layout.cached("rotary_position_limit", lambda: int(layout.position_ids.max().item()) + 1)
 
 
-def dualkv_packed_seq_params(layout: PackedLayout, host_cu_seqlens: bool = True) -> DualKVPackedSeqParams:
+def dualkv_packed_seq_params(layout: PackedLayout | CPShard, host_cu_seqlens: bool = True) -> DualKVPackedSeqParams:
     """The packed-sequence parameters Megatron's attention path needs for one DualKV micro-batch.
 
     cu_seqlens = [0, T]: Megatron sees one sequence, so its THD RoPE maps a [T, 1, 1, d] rotary
@@ -51,19 +60,25 @@ def dualkv_packed_seq_params(layout: PackedLayout, host_cu_seqlens: bool = True)
     the CPU: Megatron's unfused THD RoPE reads it with .tolist()/.item() in every layer, which
     would be a device sync each time; TE's fused RoPE (config.apply_rope_fusion) needs it on the
     device. Cached on the layout.
+    A `CPShard` (context parallelism): the shard's global layout, cu_seqlens = [0, cp * L] (L rows
+    per rank), and the shard itself for the core attention.
     """
+    shard = layout if isinstance(layout, CPShard) else None
+    full = shard.layout if shard is not None else layout
 
     def build() -> DualKVPackedSeqParams:
-        device = "cpu" if host_cu_seqlens else layout.device
-        cu = torch.tensor([0, layout.num_tokens], dtype=torch.int32, device=device)
-        limit = rotary_position_limit(layout)
+        device = "cpu" if host_cu_seqlens else full.device
+        total = full.num_tokens if shard is None else shard.cp_size * shard.num_local
+        cu = torch.tensor([0, total], dtype=torch.int32, device=device)
+        limit = rotary_position_limit(full)
         return DualKVPackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
             max_seqlen_q=limit,
             max_seqlen_kv=limit,
-            layout=layout,
+            layout=full,
+            cp_shard=shard,
         )
 
     return layout.cached(("megatron_packed_seq_params", host_cu_seqlens), build)
@@ -118,11 +133,15 @@ class DualKVCoreAttention(MegatronModule):
                 f"DualKVCoreAttention has no attention dropout (got attention_dropout={dropout}); "
                 "set TransformerConfig.attention_dropout=0.0 (GRPO policy updates use none)"
             )
-        if config.context_parallel_size != 1:
-            raise NotImplementedError(
-                "DualKVCoreAttention does not implement context parallelism yet "
-                f"(context_parallel_size={config.context_parallel_size})"
+        if cp_comm_type not in (None, "all_gather"):
+            raise ValueError(
+                f"DualKVCoreAttention implements context parallelism by K/V all-gather; got cp_comm_type={cp_comm_type!r} "
+                "(leave TransformerConfig.cp_comm_type unset or 'all_gather')"
             )
+        if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+            self.cp_group = pg_collection.cp
+        else:
+            self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"DualKVCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
         if getattr(config, "window_size", None) is not None:
@@ -151,5 +170,18 @@ class DualKVCoreAttention(MegatronModule):
             raise ValueError(f"DualKVCoreAttention expects qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
         if attention_bias is not None:
             raise ValueError("DualKVCoreAttention does not support an attention bias")
-        out = dualkv_attention(query, key, value, layout, softmax_scale=self.softmax_scale, backend=self.backend)
+        shard = getattr(packed_seq_params, "cp_shard", None)
+        cp = self.cp_group.size() if self.cp_group is not None else 1
+        if shard is None and cp > 1:
+            raise ValueError(
+                f"DualKVCoreAttention runs with context parallel size {cp} but the packed-seq params carry no "
+                "CPShard: call DualKVGPTModel(layout=...) (it shards the micro-batch) or pass "
+                "dualkv_packed_seq_params(cp_shard(layout, cp_rank, cp_size))"
+            )
+        if shard is not None:
+            if shard.cp_size != cp:
+                raise ValueError(f"the CPShard splits the micro-batch over {shard.cp_size} ranks but the CP group has {cp}")
+            out = cp_dualkv_attention(query, key, value, shard, self.cp_group, self.softmax_scale, self.backend)
+        else:
+            out = dualkv_attention(query, key, value, layout, softmax_scale=self.softmax_scale, backend=self.backend)
         return out.reshape(out.size(0), -1)

@@ -14,6 +14,15 @@ What it changes against GPTModel (same parameters, same state_dict keys):
   vocab-parallel log-softmax; logits of the other prompt rows are never computed;
 - MoE: DualKV routers weight tokens by `layout.token_weight` (see router.py), and padding is
   excluded from routing statistics through Megatron's padding_mask.
+Context parallelism (pg_collection.cp of size cp > 1): each CP rank runs the rows of its
+`CPShard` (megatron_dualkv.cp: rows chosen to balance attention work, the same number on every
+rank); `layout=` takes the whole micro-batch (sharded here, identically on every rank) or a
+`CPShard`. The logprobs come back for ALL loss edges, identical on every CP rank (like the
+vocabulary-parallel logprobs on every TP rank): each rank computes the edges whose source row it
+holds and the values are all-gathered; backward keeps each rank's own edges' gradient. Any loss
+written for CP = 1 therefore runs unchanged; for Megatron's per-token loss, count the
+micro-batch's tokens on one rank of the CP group (`cp_token_count`), since Megatron sums the
+counts over DP x CP.
 On a pipeline stage without the output layer, forward returns the hidden states as GPTModel does.
 Called without `layout`, it is a plain GPTModel (then packed_seq_params must be
 `dualkv_packed_seq_params(layout)` for the DualKV attention, and GPTModel's logits come back).
@@ -29,6 +38,7 @@ from torch import Tensor
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
+from ..cp import CPShard, cp_shard, gather_edges
 from ..layout import PackedLayout
 from .core_attention import DualKVPackedSeqParams, dualkv_packed_seq_params
 from .logprobs import EdgeLogprobs, vocab_parallel_logprobs
@@ -40,11 +50,17 @@ class DualKVGPTModel(GPTModel):
 
     replicate_moe_aux_loss: weight tokens in the MoE load-balancing losses so that they equal
     those of the replicated batch (default). False: count the packed tokens as they are.
+    cp_chunks_per_rank, cp_chunk_multiple: how a PackedLayout is split under context
+    parallelism (`megatron_dualkv.cp.cp_partition`); under sequence parallelism the chunk
+    multiple must make every rank's rows a multiple of tp.
     """
 
-    def __init__(self, *args, replicate_moe_aux_loss: bool = True, **kwargs):
+    def __init__(self, *args, replicate_moe_aux_loss: bool = True, cp_chunks_per_rank: int = 8,
+                 cp_chunk_multiple: int = 128, **kwargs):
         super().__init__(*args, **kwargs)
         self.replicate_moe_aux_loss = replicate_moe_aux_loss
+        self.cp_chunks_per_rank = cp_chunks_per_rank
+        self.cp_chunk_multiple = cp_chunk_multiple
         self._dualkv_routers = [m for m in self.modules() if isinstance(m, DualKVTopKRouter)]
         if self.mtp_process:
             raise ValueError("DualKVGPTModel does not support multi-token prediction (mtp_block_spec)")
@@ -62,15 +78,22 @@ class DualKVGPTModel(GPTModel):
             padding_mask=padding_mask,
         )
         layout = getattr(packed_seq_params, "layout", None)
+        shard = getattr(packed_seq_params, "cp_shard", None)
         table = out[1]
         if layout is None or table is None:
             return out
         # Megatron built the table for positions 0..max_seqlen_q-1 (the layout's position limit);
         # row t of the gathered table is the rotation of packed token t.
-        per_token = layout.cached(
-            ("rotary_per_token", id(self.rotary_pos_emb), tuple(table.shape), table.dtype),
-            lambda: table.index_select(0, layout.position_ids.to(table.device)),
-        )
+        if shard is None:
+            per_token = layout.cached(
+                ("rotary_per_token", id(self.rotary_pos_emb), tuple(table.shape), table.dtype),
+                lambda: table.index_select(0, layout.position_ids.to(table.device)),
+            )
+        else:
+            per_token = shard.cached(
+                ("rotary_per_token", id(self.rotary_pos_emb), tuple(table.shape), table.dtype),
+                lambda: _cp_rotary_table(table, shard),
+            )
         return (out[0], per_token) + tuple(out[2:])
 
     # -- forward ----------------------------------------------------------------------------
@@ -95,46 +118,90 @@ class DualKVGPTModel(GPTModel):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         device = self._device()
-        layout = layout.to(device)
-        self._set_router_weights(layout if self.replicate_moe_aux_loss else None)
+        shard = self._cp_shard(layout.to(device))
+        rows = shard if shard is not None else layout.to(device)  # what this rank runs
+        full = shard.layout if shard is not None else rows
+        self._set_router_weights(full if self.replicate_moe_aux_loss else None, None if shard is None else shard.rows)
+        num_rows = rows.num_local if shard is not None else rows.num_tokens
         if input_ids is None:
-            input_ids = layout.input_ids[None]
-        elif tuple(input_ids.shape) != (1, layout.num_tokens):
-            raise ValueError(f"input_ids must be [1, {layout.num_tokens}] (the packed micro-batch), got {tuple(input_ids.shape)}")
+            input_ids = rows.input_ids[None]
+        elif tuple(input_ids.shape) != (1, num_rows):
+            raise ValueError(f"input_ids must be [1, {num_rows}] (this rank's rows of the packed micro-batch), "
+                             f"got {tuple(input_ids.shape)}")
         if position_ids is None:
-            position_ids = layout.position_ids[None]
+            position_ids = rows.position_ids[None]
         return super().forward(
             input_ids,
             position_ids,
             attention_mask,
-            packed_seq_params=dualkv_packed_seq_params(layout, host_cu_seqlens=not self.config.apply_rope_fusion),
-            padding_mask=layout.padding_mask[None],
+            packed_seq_params=dualkv_packed_seq_params(rows, host_cu_seqlens=not self.config.apply_rope_fusion),
+            padding_mask=rows.padding_mask[None],
             output_processor=_edge_logprobs_output,
-            output_processor_context=(layout, float(temperature), bool(with_entropy), self.pg_collection.tp),
+            output_processor_context=(full, float(temperature), bool(with_entropy), self.pg_collection.tp, shard,
+                                      self.pg_collection.cp if shard is not None else None),
             **{k: v for k, v in kwargs.items() if k not in ("packed_seq_params", "padding_mask")},
         )
+
+    def _cp_shard(self, layout) -> Optional[CPShard]:
+        """This rank's CPShard under context parallelism (None without it)."""
+        group = getattr(self.pg_collection, "cp", None)
+        cp = group.size() if group is not None else 1
+        if isinstance(layout, CPShard):
+            if layout.cp_size != cp or layout.cp_rank != group.rank():
+                raise ValueError(f"CPShard of rank {layout.cp_rank} of {layout.cp_size} given to CP rank "
+                                 f"{group.rank() if group is not None else 0} of {cp}")
+            return layout
+        if cp == 1:
+            return None
+        return cp_shard(layout, group.rank(), cp, self.cp_chunks_per_rank, self.cp_chunk_multiple)
 
     def _device(self) -> torch.device:
         p = next(self.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def _set_router_weights(self, layout: Optional[PackedLayout]) -> None:
+    def _set_router_weights(self, layout: Optional[PackedLayout], rows: Optional[Tensor] = None) -> None:
         for router in self._dualkv_routers:
-            router.set_token_weight(layout)
+            router.set_token_weight(layout, rows)
+
+
+def _cp_rotary_table(table: Tensor, shard: CPShard) -> Tensor:
+    """The rotary table Megatron's THD RoPE must receive so that THIS rank's rows get their own
+    rotations: to Megatron the micro-batch is one sequence of cp * L rows split zigzag (rank r
+    holds chunks r and 2cp-1-r of 2cp chunks of L/2 rows), so it slices a [cp * L] table at
+    those positions. Our rows are chosen by attention work instead; we put their rotations at
+    the positions Megatron reads (the rest is never read). Checked against Megatron's slicing."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    cp, r, n = shard.cp_size, shard.cp_rank, shard.num_local
+    half = n // 2
+    if 2 * half != n:
+        raise ValueError(f"under context parallelism every rank needs an even number of rows, got {n}")
+    total = cp * n
+    read = torch.cat([torch.arange(r * half, (r + 1) * half), torch.arange(total - (r + 1) * half, total - r * half)])
+    positions = torch.zeros(total, dtype=torch.int64)
+    positions[read] = shard.position_ids.cpu()
+    out = table.index_select(0, positions.to(table.device))
+    got = _get_thd_freqs_on_this_cp_rank(r, cp, out[:n], out, 0)
+    if not torch.equal(got, table.index_select(0, shard.position_ids.to(table.device))):
+        raise RuntimeError("Megatron's THD RoPE no longer slices context-parallel ranks zigzag; "
+                           "megatron_dualkv.megatron.model._cp_rotary_table must follow its new layout")
+    return out
 
 
 def _edge_logprobs_output(*, hidden_states: Tensor, output_layer, output_weight, context, scale_logits, **_) -> EdgeLogprobs:
     """GPTModel output_processor: logits only at the loss edges, then vocab-parallel logprobs."""
-    layout, temperature, with_entropy, tp_group = context
-    h = hidden_states  # [T (or T/tp under sequence parallelism), 1, hidden]
+    layout, temperature, with_entropy, tp_group, shard, cp_group = context
+    h = hidden_states  # [T (or T/tp under sequence parallelism), 1, hidden]; T = this rank's rows under CP
     sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
     if sequence_parallel and tp_group.size() > 1:
         # Gather the shards; backward splits (not reduce-scatters) because the output layer
         # below all-reduces the input gradient over TP itself.
         h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False, group=tp_group)
-    if h.shape[0] != layout.num_tokens:
-        raise ValueError(f"decoder returned {h.shape[0]} rows, the layout packs {layout.num_tokens}")
-    rows = h.index_select(0, layout.source_rows)  # [E, 1, hidden]; shared prompt rows repeat
+    num_rows = layout.num_tokens if shard is None else shard.num_local
+    if h.shape[0] != num_rows:
+        raise ValueError(f"decoder returned {h.shape[0]} rows, expected {num_rows}")
+    # [E, 1, hidden] (this rank's edges under CP); shared prompt rows repeat
+    rows = h.index_select(0, layout.source_rows if shard is None else shard.edge_source)
     output_layer.sequence_parallel = False  # rows are replicated on every TP rank now
     try:
         logits, _ = output_layer(rows, weight=output_weight, runtime_gather_output=False)
@@ -144,5 +211,19 @@ def _edge_logprobs_output(*, hidden_states: Tensor, output_layer, output_weight,
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs, entropy = vocab_parallel_logprobs(logits, layout.target_ids, tp_group, with_entropy)
+    targets = layout.target_ids if shard is None else shard.target_ids
+    logprobs, entropy = vocab_parallel_logprobs(logits, targets, tp_group, with_entropy)
+    if shard is not None:
+        logprobs = gather_edges(logprobs, shard, cp_group)
+        entropy = None if entropy is None else gather_edges(entropy, shard, cp_group)
     return EdgeLogprobs(logprobs=logprobs, entropy=entropy)
+
+
+def cp_token_count(count: Tensor, cp_group) -> Tensor:
+    """The token count a CP rank reports to Megatron's per-token loss: the micro-batch's count on
+    CP rank 0, zero on the others. Every CP rank computes the whole micro-batch's loss (from the
+    gathered [E] logprobs) and backpropagates its own edges; Megatron sums the counts over
+    DP x CP, so the micro-batch must be counted once."""
+    if cp_group is None or cp_group.size() == 1 or cp_group.rank() == 0:
+        return count
+    return torch.zeros_like(count)

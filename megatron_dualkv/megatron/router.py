@@ -50,10 +50,12 @@ class DualKVTopKRouter(TopKRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._layout: Optional[PackedLayout] = None
+        self._rows: Optional[Tensor] = None
 
     # -- what the model sets before each forward -------------------------------------------
-    def set_token_weight(self, layout: Optional[PackedLayout]) -> None:
-        """Weight tokens by `layout.token_weight` from now on (None: no weighting)."""
+    def set_token_weight(self, layout: Optional[PackedLayout], rows: Optional[Tensor] = None) -> None:
+        """Weight tokens by `layout.token_weight` from now on (None: no weighting). rows: the
+        packed rows this rank holds under context parallelism (default: all of them)."""
         if layout is not None and self.config.moe_expert_capacity_factor is not None:
             raise ValueError(
                 "DualKV token weighting cannot reproduce token dropping (moe_expert_capacity_factor): "
@@ -62,19 +64,22 @@ class DualKVTopKRouter(TopKRouter):
         if layout is not None and self.routing_type in ("sinkhorn", "quantile_balancing"):
             raise ValueError(f"DualKV token weighting does not cover routing type {self.routing_type!r}")
         self._layout = layout
+        self._rows = rows if layout is not None else None
 
-    def _local_rows(self, num_local: int) -> slice:
-        """This rank's rows of the packed micro-batch (sequence parallelism shards them over TP)."""
-        total = self._layout.num_tokens
+    def _local_rows(self, num_local: int):
+        """This rank's rows of the packed micro-batch (a slice, or global row indices under
+        context parallelism; sequence parallelism shards them further over TP)."""
+        total = self._layout.num_tokens if self._rows is None else self._rows.numel()
         if num_local == total:
-            return slice(0, total)
+            return slice(0, total) if self._rows is None else self._rows
         tp = self.tp_group.size()
         if num_local * tp != total:
             raise ValueError(
-                f"router sees {num_local} tokens but the layout packs {total} (tensor parallel size {tp})"
+                f"router sees {num_local} tokens but this rank holds {total} rows of the layout (tensor parallel size {tp})"
             )
         r = self.tp_group.rank()
-        return slice(r * num_local, (r + 1) * num_local)
+        part = slice(r * num_local, (r + 1) * num_local)
+        return part if self._rows is None else self._rows[part]
 
     def _weight(self, num_local: int, dtype: torch.dtype) -> Tensor:
         return self._layout.token_weight[self._local_rows(num_local)].to(dtype)

@@ -4,6 +4,11 @@ Backends, fastest first: `cuda` (fused dual-region kernels, csrc/), `flex` (Flex
 DualKV block mask, CUDA only), `reference` (exact PyTorch math, any device). `backend=None` picks
 the first one that is available for the inputs and says once, in one line, which one and why.
 The environment variable MEGATRON_DUALKV_ATTENTION_BACKEND forces one.
+
+Local queries (context parallelism): `q_rows` gives the packed row of every query when q holds
+only some rows while k, v hold all of them. Backends that accept it set `SUPPORTS_Q_ROWS = True`
+(reference, flex); the others are skipped with that reason (docs/CONTEXT_PARALLEL.md says what
+the CUDA kernel needs to accept them).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import math
 import os
 from typing import Optional, Union
 
+import torch
 from torch import Tensor
 
 from ..layout import PackedLayout, SegmentTable
@@ -35,25 +41,28 @@ def _backend_module(name: str):
         return None, f"module megatron_dualkv.ops.{mod} cannot be imported ({exc})"
 
 
-def backend_status(name: str, q: Tensor) -> tuple[bool, str]:
-    """(available for these inputs, reason when not)."""
+def backend_status(name: str, q: Tensor, local_queries: bool = False) -> tuple[bool, str]:
+    """(available for these inputs, reason when not). local_queries: q holds only some rows
+    (q_rows given)."""
     mod, why = _backend_module(name)
     if mod is None:
         return False, why
+    if local_queries and not getattr(mod, "SUPPORTS_Q_ROWS", False):
+        return False, "does not take local queries against gathered keys (q_rows) yet"
     return mod.is_available(q)
 
 
-def select_backend(q: Tensor, requested: Optional[str] = None) -> tuple[str, str]:
+def select_backend(q: Tensor, requested: Optional[str] = None, local_queries: bool = False) -> tuple[str, str]:
     """(backend name, one-line reason for the choice)."""
     requested = requested or os.environ.get(_ENV) or None
     if requested is not None:
-        ok, why = backend_status(requested, q)
+        ok, why = backend_status(requested, q, local_queries)
         if not ok:
             raise RuntimeError(f"DualKV attention backend {requested!r} was requested but is unavailable: {why}")
         return requested, "requested"
     skipped = []
     for name in BACKENDS:
-        ok, why = backend_status(name, q)
+        ok, why = backend_status(name, q, local_queries)
         if ok:
             reason = "; ".join(f"{n}: {w}" for n, w in skipped) or "fastest available"
             return name, reason
@@ -68,15 +77,24 @@ def dualkv_attention(
     layout: Union[PackedLayout, SegmentTable],
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
+    q_rows: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention of packed THD tensors over the layout's two KV regions.
 
     q [T, Hq, D], k and v [T, Hkv, D]; returns [T, Hq, D]. Differentiable.
+    q_rows: int64 [Tq], the packed row of each query when q [Tq, Hq, D] holds only some rows
+    (ascending, as a context-parallel rank holds them); returns [Tq, Hq, D].
     """
     segments = layout.segments if isinstance(layout, PackedLayout) else layout
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0] == segments.num_tokens):
+    if q_rows is not None:
+        if q_rows.dim() != 1 or q_rows.shape[0] != q.shape[0] or q_rows.dtype != torch.int64:
+            raise ValueError(f"q_rows must be int64 [{q.shape[0]}] (the packed row of each query), "
+                             f"got {q_rows.dtype} {tuple(q_rows.shape)}")
+        if q_rows.device != q.device:
+            raise ValueError(f"q_rows is on {q_rows.device} but q is on {q.device}")
+    if not (q.shape[0] if q_rows is None else k.shape[0]) == k.shape[0] == v.shape[0] == segments.num_tokens:
         raise ValueError(
             f"q, k, v hold {q.shape[0]}, {k.shape[0]}, {v.shape[0]} tokens but the layout packs {segments.num_tokens}"
         )
@@ -85,10 +103,14 @@ def dualkv_attention(
     if segments.device != q.device:
         raise ValueError(f"layout is on {segments.device} but q is on {q.device}; move it with layout.to(device)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    name, reason = select_backend(q, backend)
-    key = (name, q.device.type, q.dtype)
+    local = q_rows is not None
+    name, reason = select_backend(q, backend, local_queries=local)
+    key = (name, q.device.type, q.dtype, local)
     if key not in _announced:
         _announced.add(key)
-        logger.info("DualKV attention backend: %s on %s/%s (%s)", name, q.device.type, q.dtype, reason)
+        logger.info("DualKV attention backend: %s on %s/%s%s (%s)", name, q.device.type, q.dtype,
+                    " with local queries" if local else "", reason)
     mod, _ = _backend_module(name)
+    if local:
+        return mod.attention(q, k, v, segments, scale, q_rows=q_rows)
     return mod.attention(q, k, v, segments, scale)

@@ -24,6 +24,12 @@ block (T <= 128) specialises once more (dynamo's 0/1 rule on the block count).
 Kernel backend. FLASH (flash-attn-4's CuTe DSL kernels, `kernel_options={"BACKEND": "FLASH"}`)
 when `flash_attn.cute` is importable on a Hopper-or-newer GPU, TRITON otherwise;
 MEGATRON_DUALKV_FLEX_KERNEL=TRITON|FLASH forces one.
+
+Local queries (context parallelism, `q_rows`): q holds some packed rows (int64 global indices),
+k and v all of them. The block mask is then built for query blocks of those rows against all key
+blocks (same exact block classification, with each query's global row), the mask_mod looks the
+global row up, and q is padded to whole blocks by repeating its last row (those outputs are cut
+off; their zero output gradient adds nothing to dK, dV).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - depends on the torch build
 BLOCK = 128  # sparse block size (query and key); the compiled input is shaped in these blocks
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTS_Q_ROWS = True  # local queries against all keys (context parallelism)
 _KERNEL_ENV = "MEGATRON_DUALKV_FLEX_KERNEL"
 
 
@@ -138,17 +145,20 @@ def _sum_block_prefix(x: Tensor, rows_block: Tensor, n_q: int, n_kv: int, kv_blo
     return kv_block * beyond[:, 1:] + part[:, :n_kv]
 
 
-def block_classes(segments: SegmentTable, q_block: int = BLOCK, kv_block: int = BLOCK) -> tuple[Tensor, Tensor]:
+def block_classes(segments: SegmentTable, q_block: int = BLOCK, kv_block: int = BLOCK,
+                  q_rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(full, partial): bool [n_q_blocks, n_kv_blocks] of the DualKV mask, exact.
 
     A block is full when every (query, key) pair inside the sequence is allowed, partial when
-    some are, and absent from both when none are.
+    some are, and absent from both when none are. q_rows: the packed rows of the queries when
+    they are not all rows in order (local queries).
     """
     t, device = segments.num_tokens, segments.device
-    n_q, n_kv = -(-t // q_block), -(-t // kv_block)
-    seg = segments.token_segment_ids()
-    tok = torch.arange(t, device=device)
-    rows_block = torch.div(tok, q_block, rounding_mode="floor")
+    tok = torch.arange(t, device=device) if q_rows is None else q_rows.to(device)
+    t_q = tok.shape[0]
+    n_q, n_kv = -(-t_q // q_block), -(-t // kv_block)
+    seg = segments.token_segment_ids()[tok]
+    rows_block = torch.div(torch.arange(t_q, device=device), q_block, rounding_mode="floor")
     start = segments.start.long()
     end = start + segments.length.long()
     # allowed keys of token i: [start(seg i), i] and all of each ancestor segment; disjoint
@@ -163,9 +173,9 @@ def block_classes(segments: SegmentTable, q_block: int = BLOCK, kv_block: int = 
         lo, hi = torch.where(has, start[a], 0), torch.where(has, end[a], 0)
         allowed += _sum_block_prefix(hi, rows_block, n_q, n_kv, kv_block)
         allowed -= _sum_block_prefix(lo, rows_block, n_q, n_kv, kv_block)
-    q_rows = (t - torch.arange(n_q, device=device) * q_block).clamp(max=q_block)
+    q_count = (t_q - torch.arange(n_q, device=device) * q_block).clamp(max=q_block)
     kv_cols = (t - torch.arange(n_kv, device=device) * kv_block).clamp(max=kv_block)
-    area = q_rows[:, None] * kv_cols[None, :]
+    area = q_count[:, None] * kv_cols[None, :]
     full = allowed == area
     return full, (allowed > 0) & ~full
 
@@ -196,17 +206,36 @@ def dualkv_mask_mod(segments: SegmentTable) -> Callable:
     return mask_mod
 
 
-def build_block_mask(segments: SegmentTable, block: int = BLOCK):
-    """The DualKV BlockMask of a (block-padded or not) segment table, built at block level."""
+def dualkv_local_mask_mod(segments: SegmentTable, q_rows: Tensor) -> Callable:
+    """mask_mod for local queries: query index q_idx is packed row q_rows[q_idx]."""
+    seg = segments.token_segment_ids().to(torch.int32)
+    rows = q_rows.to(device=segments.device, dtype=torch.int32)
+    levels = tuple(torch.tensor(lv, dtype=torch.int32, device=segments.device) for lv in ancestor_levels(segments))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        row = rows[q_idx]
+        sq, sk = seg[row], seg[kv_idx]
+        ok = (sq == sk) & (kv_idx <= row)
+        for anc in levels:
+            ok = ok | (anc[sq] == sk)
+        return ok
+
+    return mask_mod
+
+
+def build_block_mask(segments: SegmentTable, block: int = BLOCK, q_rows: Optional[Tensor] = None):
+    """The DualKV BlockMask of a (block-padded or not) segment table, built at block level;
+    q_rows: local queries (their packed rows) against all keys."""
     if BlockMask is None:
         raise RuntimeError(_FLEX_MISSING)
-    full, partial = block_classes(segments, block, block)
+    full, partial = block_classes(segments, block, block, q_rows)
     kv_num, kv_idx = _blocks_first(partial)
     full_num, full_idx = _blocks_first(full)
     t = segments.num_tokens
+    t_q = t if q_rows is None else q_rows.shape[0]
+    mask_mod = dualkv_mask_mod(segments) if q_rows is None else dualkv_local_mask_mod(segments, q_rows)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
-        mask_mod=dualkv_mask_mod(segments), seq_lengths=(t, t),
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(t_q, t),
     )
 
 
@@ -216,6 +245,25 @@ def cached_block_mask(segments: SegmentTable) -> tuple[SegmentTable, "BlockMask"
         padded = padded_segments(segments, BLOCK)
         return padded, build_block_mask(padded, BLOCK)
     return segments.cached(("flex_block_mask", BLOCK), build)
+
+
+def _padded_rows(q_rows: Tensor, block: int = BLOCK) -> Tensor:
+    """q_rows extended to whole blocks by repeating its last row."""
+    pad = (-q_rows.shape[0]) % block
+    return torch.cat([q_rows, q_rows[-1:].expand(pad)]) if pad else q_rows
+
+
+def cached_local_block_mask(segments: SegmentTable, q_rows: Tensor) -> tuple[SegmentTable, Tensor, "BlockMask"]:
+    """(padded table, block-padded q rows, block mask) for local queries, built once per
+    micro-batch and rank (kept while the same q_rows tensor is passed, as a CP shard does)."""
+    key = ("flex_local_block_mask", BLOCK)
+    hit = segments._cache.get(key)
+    if hit is None or hit[0] is not q_rows:
+        padded = padded_segments(segments, BLOCK)
+        rows = _padded_rows(q_rows.to(segments.device), BLOCK)
+        hit = (q_rows, padded, rows, build_block_mask(padded, BLOCK, rows))
+        segments._cache[key] = hit
+    return hit[1], hit[2], hit[3]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,31 +322,40 @@ def _blocked(x: Tensor, padded_tokens: int) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,
-              kernel: Optional[str] = None, compiled: bool = True) -> Tensor:
+              kernel: Optional[str] = None, compiled: bool = True, q_rows: Optional[Tensor] = None) -> Tensor:
     """DualKV attention of packed THD tensors: out [T, Hq, D]; differentiable.
 
     kernel: "TRITON" or "FLASH" (default: FLASH when flash-attn-4 is installed, else TRITON).
     compiled=False runs flex_attention eagerly (unfused, dense scores: small tests only, any device).
+    q_rows: int64 [Tq], packed rows of the queries when q [Tq, Hq, D] holds only some of them
+    (local queries against all T keys); out is then [Tq, Hq, D].
     """
     if flex_attention is None:
         raise RuntimeError(_FLEX_MISSING)
     t, hq, d = q.shape
     hkv = k.shape[1]
-    if t != segments.num_tokens or k.shape[0] != t or v.shape[0] != t:
+    t_kv = segments.num_tokens if q_rows is not None else t
+    if t_kv != segments.num_tokens or k.shape[0] != t_kv or v.shape[0] != t_kv:
         raise ValueError(f"q, k, v hold {q.shape[0]}, {k.shape[0]}, {v.shape[0]} tokens; the layout packs {segments.num_tokens}")
+    if q_rows is not None and tuple(q_rows.shape) != (t,):
+        raise ValueError(f"q_rows must be [{t}] (one packed row per query), got {tuple(q_rows.shape)}")
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    padded, block_mask = cached_block_mask(segments)
-    tp = padded.num_tokens
-    qp, kp, vp = _blocked(q, tp), _blocked(k, tp), _blocked(v, tp)
+    if q_rows is None:
+        padded, block_mask = cached_block_mask(segments)
+        tp = tq = padded.num_tokens
+    else:
+        padded, rows, block_mask = cached_local_block_mask(segments, q_rows)
+        tp, tq = padded.num_tokens, rows.shape[0]
+    qp, kp, vp = _blocked(q, tq), _blocked(k, tp), _blocked(v, tp)
     gqa = hq != hkv
     if not compiled:
         out = _flex_padded(qp, kp, vp, block_mask, scale, gqa, None)
     else:
         kernel = kernel or default_kernel(q.device)
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        key = (q.device.index, q.dtype, d, hq, hkv, scale, kernel, grad)
+        key = (q.device.index, q.dtype, d, hq, hkv, scale, kernel, grad) + (("local",) if q_rows is not None else ())
         # Duck shaping would give equal sizes one symbol (e.g. 32 blocks and 32 heads), and the
         # heads' specialisation would then pin the length: compile without it.
         with fx_config.patch(use_duck_shape=False):

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor
 
 from ..layout import SegmentTable
 from .reference import reference_attention
+
+SUPPORTS_Q_ROWS = True  # local queries against all keys (context parallelism)
 
 
 def is_available(q: Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: float) -> Tensor:
-    return reference_attention(q, k, v, segments, softmax_scale)[0]
+def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: float,
+              q_rows: Optional[Tensor] = None) -> Tensor:
+    return reference_attention(q, k, v, segments, softmax_scale, q_rows=q_rows)[0]

@@ -1,0 +1,303 @@
+"""Context parallelism: CP=2 (and CP=2 x TP=2) equals CP=1; the partition balances attention work.
+
+Model runs go through Megatron's training path as in tests/test_distributed.py (DDP over DP x CP,
+forward_backward_no_pipelining with per-token loss, finalize_model_grads) on spawned gloo ranks;
+the reference is CP=1 on one rank with the same weights. Compared: the logprobs of every loss
+edge, the GRPO loss, the MoE router losses and every parameter gradient. The micro-batches are
+chosen so that a prompt's last row (which predicts the first token of each of its responses)
+lives on another CP rank than some of those responses; each test asserts that it does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cpu import GlooWorkers
+from test_distributed import (
+    LOSS_CONFIG,
+    assert_close,
+    assert_grads_equal,
+    gather_full_grads,
+    grpo_loss_sum,
+    recorded_router_losses,
+    shard_of,
+    take_shard,
+)
+
+from megatron_dualkv.cp import cp_partition, key_counts
+from megatron_dualkv.layout import Group, build_layout
+from megatron_dualkv.ops import dualkv_attention, flex_backend
+from megatron_dualkv.ops.reference import allowed_mask, reference_attention
+
+VOCAB = 256
+CHUNKS_PER_RANK = 2
+
+# ------------------------------------------------------------------------------------------------
+# Partition (no model)
+# ------------------------------------------------------------------------------------------------
+
+
+def grpo_layout(groups_spec, seed=0, **kw):
+    """groups_spec: [(P, [R_1, ...]), ...] -> PackedLayout of random ids."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, VOCAB, (n,), generator=g)
+    return build_layout([Group.of(ids(p), [ids(r) for r in rs]) for p, rs in groups_spec], **kw)
+
+
+def synthetic_layout(groups_spec):
+    """A layout of realistic size without materialising ids through Python lists (the partition
+    reads only the segment table)."""
+    return grpo_layout([(p, rs) for p, rs in groups_spec])
+
+
+def test_key_counts_match_the_mask():
+    layout = grpo_layout([(5, [3, 1, 4]), (3, [2, 5])], pad_to_multiple=8)
+    rows = torch.arange(layout.num_tokens)
+    want = allowed_mask(layout.segments, rows, rows).sum(1)
+    assert torch.equal(key_counts(layout.segments), want)
+
+
+def test_partition_covers_every_row_once_and_edges_by_source():
+    layout = grpo_layout([(9, [3, 1, 4]), (7, [2, 6]), (3, [5])])
+    part = cp_partition(layout, 3, chunks_per_rank=2, chunk_multiple=2)
+    shards = [part.shard(r) for r in range(3)]
+    rows = torch.cat([s.rows for s in shards])
+    assert torch.equal(rows.sort().values, torch.arange(part.layout.num_tokens))
+    assert all(s.num_local == part.num_local and s.num_local % 2 == 0 for s in shards)
+    edges = torch.cat([s.edges for s in shards])
+    assert torch.equal(edges.sort().values, torch.arange(layout.num_edges))
+    for s in shards:  # an edge is computed where its source row lives
+        assert torch.equal(s.rows[s.edge_source], layout.source_rows[s.edges])
+    # CP padding: one root segment after the layout, no edges, weight 0, marked padding
+    pad = part.layout.num_tokens - layout.num_tokens
+    assert pad > 0 and part.layout.segments.host_parent[-1] == -1
+    assert part.layout.padding_mask[layout.num_tokens:].all() and (part.layout.token_weight[layout.num_tokens:] == 0).all()
+    assert part.layout.num_edges == layout.num_edges
+
+
+REALISTIC = {
+    "N16-P32K-R2K": [(32768, [2048] * 16)],
+    "4 groups mixed": [(16384, [1024] * 8), (8192, [2048] * 4), (4096, [512] * 16), (12000, [3000, 100, 1500])],
+    "short prompt long responses": [(1024, [8192] * 8)],
+}
+
+
+@pytest.mark.parametrize("name", list(REALISTIC))
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_partition_balances_attention_work(name, cp):
+    """Stated bound: every rank's attention work (attended pairs) is within 2% of the mean, for
+    8 chunks per rank of 128-multiple rows; and the proven bound max - min <= spread_bound holds.
+    Token-count splitting (zigzag over 2cp equal chunks, Megatron's default) is far off on the
+    same shapes: the cost-balanced partition must beat it."""
+    layout = synthetic_layout(REALISTIC[name])
+    part = cp_partition(layout, cp, chunks_per_rank=8, chunk_multiple=128)
+    costs = part.rank_cost
+    assert sum(costs) == int(key_counts(part.layout.segments).sum())
+    assert max(costs) - min(costs) <= part.spread_bound
+    assert part.imbalance <= 1.02, (name, cp, part.imbalance)
+    # Megatron's zigzag split of the same padded rows
+    keys = key_counts(part.layout.segments)
+    halves = keys.reshape(2 * cp, -1).sum(1)
+    zigzag = [int(halves[r] + halves[2 * cp - 1 - r]) for r in range(cp)]
+    zigzag_imbalance = max(zigzag) * cp / sum(zigzag)
+    assert part.imbalance <= zigzag_imbalance
+
+
+def test_partition_refuses_bad_sizes():
+    layout = grpo_layout([(4, [2])])
+    with pytest.raises(ValueError, match="must be >= 1"):
+        cp_partition(layout, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backends take local queries with global rows
+# ------------------------------------------------------------------------------------------------
+
+
+def _local_rows_case():
+    layout = grpo_layout([(37, [5, 1, 60]), (130, [1, 90]), (3, [7])], pad_to_multiple=4)
+    part = cp_partition(layout, 2, chunks_per_rank=3, chunk_multiple=16)
+    g = torch.Generator().manual_seed(5)
+    t = part.layout.num_tokens
+    q = torch.randn(t, 4, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(t, 2, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(t, 2, 16, dtype=torch.float64, generator=g)
+    return part, q, k, v
+
+
+def test_reference_local_queries_equal_full_attention():
+    part, q, k, v = _local_rows_case()
+    seg = part.layout.segments
+    ref, ref_lse = reference_attention(q, k, v, seg, 0.3)
+    for r in range(2):
+        rows = part.shard(r).rows
+        out, lse = reference_attention(q[rows], k, v, seg, 0.3, query_chunk=17, q_rows=rows)
+        assert (out - ref[rows]).abs().max() < 1e-12 and (lse - ref_lse[:, rows]).abs().max() < 1e-12
+        out = dualkv_attention(q[rows], k, v, part.layout, 0.3, backend="reference", q_rows=rows)
+        assert (out - ref[rows]).abs().max() < 1e-12
+
+
+@pytest.mark.skipif(flex_backend.flex_attention is None, reason="torch without FlexAttention")
+def test_flex_local_block_mask_and_eager_attention():
+    """Block classes for local query rows equal the dense mask of those rows; eager flex with
+    q_rows equals the reference rows (mask_mod with the global row lookup)."""
+    part, q, k, v = _local_rows_case()
+    seg = part.layout.segments
+    block = 16
+    cols = torch.arange(seg.num_tokens)
+    for r in range(2):
+        rows = part.shard(r).rows
+        full, partial = flex_backend.block_classes(seg, block, block, rows)
+        dense = allowed_mask(seg, rows, cols)
+        n_q, n_kv = -(-rows.numel() // block), -(-seg.num_tokens // block)
+        for i in range(n_q):
+            for j in range(n_kv):
+                tile = dense[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                assert bool(full[i, j]) == bool(tile.all()), (r, i, j)
+                assert bool(partial[i, j]) == (bool(tile.any()) and not bool(tile.all())), (r, i, j)
+    ref, _ = reference_attention(q, k, v, seg, 0.3)
+    rows = part.shard(1).rows[3:]  # not a whole number of 128-row blocks: exercises the q padding
+    out = flex_backend.attention(q[rows], k, v, seg, 0.3, compiled=False, q_rows=rows)
+    assert (out - ref[rows]).abs().max() < 1e-12
+
+
+def test_cuda_backend_is_skipped_for_local_queries_with_reason():
+    from megatron_dualkv.ops.attention import backend_status
+
+    ok, why = backend_status("cuda", torch.empty(4, 2, 64), local_queries=True)
+    assert not ok and "q_rows" in why
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron: one training step per configuration (runs inside the gloo workers)
+# ------------------------------------------------------------------------------------------------
+
+
+def make_microbatch(seed: int, spec) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    layout = grpo_layout(spec, seed=seed, vocab_size=VOCAB)
+    return {
+        "layout": layout,
+        "advantages": torch.randn(layout.num_responses, generator=g),
+        "ref_logprobs": -5.5 + 0.5 * torch.randn(layout.num_edges, generator=g),
+    }
+
+
+# Long first prompt (its chunks are costly early, cheap responses later), short second group.
+SPECS = [[(13, [4, 1, 6]), (5, [3, 7])], [(6, [2, 9]), (11, [5, 3, 1])]]
+
+
+def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, router: tuple, mbs: list, weights, chunk_multiple: int) -> dict:
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_cpu import model_parallel
+    from megatron_dualkv.cp import cp_shard
+    from megatron_dualkv.megatron import build_dualkv_model, cp_token_count, qwen3_config
+
+    global_num_tokens = float(sum(mb["layout"].num_edges for mb in mbs))
+    with model_parallel(tp=tp, cp=cp) as pgs:
+        cfg = qwen3_config(
+            "tiny-moe" if moe else "tiny", **dict(router), vocab_size=VOCAB, use_cpu_initialization=True,
+            params_dtype=torch.float32, tensor_model_parallel_size=tp, context_parallel_size=cp,
+            sequence_parallel=sp, calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
+        )
+        model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False,
+                                   cp_chunks_per_rank=CHUNKS_PER_RANK, cp_chunk_multiple=chunk_multiple)
+        shards = {n: shard_of(n, p, cfg.transformer, pgs) for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if weights is not None:
+                    p.copy_(take_shard(weights[shards[n].full_name], shards[n]))
+                elif "layernorm" in n:
+                    p.add_(0.1 * torch.randn_like(p))
+        initial = {shards[n].full_name: p.detach().clone() for n, p in model.named_parameters()}
+        ddp = DistributedDataParallel(cfg.transformer, DistributedDataParallelConfig(use_distributed_optimizer=False),
+                                      model, pg_collection=pgs)
+        ddp.zero_grad_buffer()
+        get_moe_metrics_tracker().clear()
+        logprobs, loss_sums, split = [], [], []
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            layout = mb["layout"]
+            if cp > 1:  # record where the last prompt rows landed (the test asserts a split)
+                shard = cp_shard(layout, pgs.cp.rank(), cp, CHUNKS_PER_RANK, chunk_multiple)
+                split.append((shard.rows.tolist(), shard.edges.tolist()))
+            lp = model(layout=layout).logprobs
+            logprobs.append(lp.detach().clone())
+
+            def loss_func(lp):
+                loss_sum = grpo_loss_sum(lp, mb, global_num_tokens)
+                loss_sums.append(loss_sum.detach().clone())
+                count = cp_token_count(torch.tensor(layout.num_edges, dtype=torch.int), pgs.cp)
+                return loss_sum, count, {"loss": loss_sum.detach()}
+
+            return lp, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[ddp], num_microbatches=len(mbs),
+            seq_length=0, micro_batch_size=1, forward_only=False, pg_collection=pgs,
+        )
+        grads = {n: (shards[n], p.main_grad.detach().clone()) for n, p in model.named_parameters()}
+        return {"rank": dist.get_rank(), "initial": initial, "grads": grads, "logprobs": logprobs,
+                "loss_sums": loss_sums, "router_losses": recorded_router_losses(), "split": split}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with GlooWorkers(4, timeout_s=240) as w:
+        yield w
+
+
+SEQ_AUX_AND_Z = (("moe_router_load_balancing_type", "seq_aux_loss"), ("moe_z_loss_coeff", 1e-3))
+
+
+def assert_prompt_rows_split(results: list, mbs: list) -> None:
+    """Some group's last prompt row is computed on one CP rank while one of its responses'
+    rows lives on another (the edge-on-source-rank rule is exercised)."""
+    for k, mb in enumerate(mbs):
+        layout = mb["layout"]
+        owner = {}
+        for res in results:
+            rows, _ = res["split"][k]
+            for row in rows:
+                owner.setdefault(row, res["rank"])
+        for g, prompt_seg in enumerate(layout.group_prompt_segment):
+            last = layout.segments.host_start[prompt_seg] + layout.segments.host_length[prompt_seg] - 1
+            for s in layout.group_response_segments[g]:
+                if owner[layout.segments.host_start[s]] != owner[last]:
+                    return
+    raise AssertionError("no group has its last prompt row on another rank than a response: the test lost its point")
+
+
+def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, router: tuple = ()):
+    mbs = [make_microbatch(40 + i, spec) for i, spec in enumerate(SPECS)]
+    chunk_multiple = 2 * tp
+    ref = workers.run(cp_train_step, moe, 1, 1, False, router, mbs, None, chunk_multiple, world_size=1)[0]
+    out = workers.run(cp_train_step, moe, cp, tp, sp, router, mbs, ref["initial"], chunk_multiple, world_size=cp * tp)
+    assert_prompt_rows_split([r for r in out if r["rank"] % tp == 0], mbs)
+    what = f"CP={cp} TP={tp} sp={sp} moe={moe} {dict(router)}"
+    for res in out:
+        for k in range(len(mbs)):
+            assert_close(res["logprobs"][k], ref["logprobs"][k], f"{what}: logprobs of micro-batch {k} on rank {res['rank']}")
+            assert_close(res["loss_sums"][k], ref["loss_sums"][k], f"{what}: loss of micro-batch {k} on rank {res['rank']}")
+        assert set(res["router_losses"]) == set(ref["router_losses"])
+        for name, want in ref["router_losses"].items():
+            assert (want != 0).all()
+            assert_close(res["router_losses"][name], want, f"{what}: router {name}")
+    assert_grads_equal(gather_full_grads(out), {n: g for n, (s, g) in ref["grads"].items()}, what)
+
+
+@pytest.mark.parametrize("moe,router", [(False, ()), (True, ()), (True, SEQ_AUX_AND_Z)],
+                         ids=["dense", "moe-aux", "moe-seqaux-z"])
+def test_cp2_equals_cp1(workers, moe, router):
+    run_and_compare(workers, moe, cp=2, tp=1, sp=False, router=router)
+
+
+def test_cp2_tp2_sequence_parallel_equals_cp1(workers):
+    """4 ranks: CP=2 x TP=2 with sequence parallelism, MoE (Megatron refuses MoE + TP without SP)."""
+    run_and_compare(workers, True, cp=2, tp=2, sp=True)
