@@ -368,3 +368,19 @@ def test_tp_ep_import_and_export_match_transformers(tmp_path):
         on_disk = load_file(os.path.join(hf_dirs[name], "model.safetensors"))
         assert_same_tensors(load_file(os.path.join(per_rank[0][case]["out"], "model.safetensors")), on_disk,
                             f"{case} export")
+
+
+def test_gpu_hf_check_tool_runs_tiny_on_cpu():
+    """tools/gpu_hf_check.py --tiny (the CPU smoke form of the GPU bf16 check) runs end to end and
+    its float32 row equals transformers; its bf16 verdict depends on the CPU's bf16 rounding, so
+    only its presence is checked here (the GPU run is the real check)."""
+    import subprocess
+    import sys
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "gpu_hf_check.py")
+    proc = subprocess.run([sys.executable, tool, "--tiny", "--device", "cpu"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    assert "| DualKV Megatron | bfloat16 |" in proc.stdout and "| transformers | bfloat16 |" in proc.stdout, proc.stdout
+    assert "DualKV float32 vs reference: OK" in proc.stdout, proc.stdout
+    assert "DualKV bf16 error / transformers bf16 error" in proc.stdout, proc.stdout

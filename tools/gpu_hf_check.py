@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""bf16 check of the HF import: DualKV Megatron vs transformers on a ~1.7B Qwen3-shaped model.
+
+    python tools/gpu_hf_check.py                 # one GPU: Qwen3-1.7B shape (28 layers, hidden 2048,
+                                                 # 16 heads / 8 KV heads, head_dim 128, tied, vocab 151936)
+    python tools/gpu_hf_check.py --moe           # a ~1.8B Qwen3-MoE shape (8 layers, 32 experts, top-4)
+    python tools/gpu_hf_check.py --tiny          # tiny model, runs on a CPU in seconds (smoke test)
+
+A random model is built with transformers (Qwen3Config / Qwen3MoeConfig, no download) and its
+in-memory state dict is imported with megatron_dualkv.checkpoint.load_hf_checkpoint. Several GRPO
+groups (different P, N, R_i) are scored:
+  - reference: transformers in float32 (TF32 off), each [prompt | response] sequence separately;
+  - transformers in bf16 (its default attention, SDPA), each sequence separately;
+  - DualKV in float32 and in bf16 on the packed micro-batch, through the fastest available DualKV
+    attention backend (printed).
+The table gives |logprob - reference| over all response tokens. Pass (exit code 0): DualKV bf16's
+mean and 99.9th-percentile errors are no larger than transformers' own bf16 errors (times
+1 + --slack), and DualKV float32 (exact reference attention by default: it checks the conversion,
+not a kernel) agrees with the reference to float32 rounding (--fp32-tol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    # Qwen3-1.7B (config.json on the Hub), randomly initialised
+    "dense": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                  rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+    # Qwen3-30B-A3B's layer, fewer layers and experts: ~1.8B parameters
+    "moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+                num_experts=32, num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                 max_position_embeddings=4096, tie_word_embeddings=True),
+    "tiny-moe": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                     rope_theta=1_000_000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+}
+
+
+def make_hf_model(shape: dict, moe: bool, seed: int, device: torch.device):
+    """Random weights at trained-model-like scale: matrices N(0, (1.5/sqrt(fan_in))^2), norm weights
+    1 +- 0.2, so logits are spread (HF's 0.02 init would give near-uniform distributions)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(**shape)
+    with torch.device(device):
+        model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g, device=device))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=device) * (1.5 / p.shape[-1] ** 0.5))
+    return model.eval()
+
+
+def make_groups(tiny: bool, vocab: int, seed: int):
+    """GRPO groups with different prompt lengths, group sizes and response lengths (incl. R=1)."""
+    from megatron_dualkv import Group
+
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()
+    if tiny:
+        plan = [(40, [30, 1, 25, 60]), (12, [50, 8]), (70, [20, 45, 33])]
+    else:
+        plan = [(1024, [600, 1, 350, 480]), (333, [900, 64, 250, 777, 128, 512, 40, 300]), (2048, [256, 1000]),
+                (77, [1500, 20, 640])]
+    return [Group.of(ids(p), [ids(r) for r in rs], name=f"g{i}") for i, (p, rs) in enumerate(plan)]
+
+
+@torch.no_grad()
+def hf_logprobs(model, groups, device) -> torch.Tensor:
+    out = []
+    for group in groups:
+        p = len(group.prompt)
+        for response in group.responses:
+            ids = torch.tensor(group.prompt + response, device=device)[None]
+            logits = model(ids).logits[0, p - 1:p - 1 + len(response)].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            out.append(lp.gather(1, torch.tensor(response, device=device)[:, None])[:, 0])
+    return torch.cat(out).double().cpu()
+
+
+@contextlib.contextmanager
+def megatron_world(device: torch.device):
+    """World-size-1 Megatron model parallelism: NCCL on a GPU; gloo + the test shims on a CPU."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if device.type == "cuda":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        try:
+            yield ProcessGroupCollection.use_mpu_process_groups()
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        return
+    # CPU (--tiny): Megatron needs the CUDA shims that live with the tests
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from megatron_cpu import cuda_runtime_as_cpu, free_port, model_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with cuda_runtime_as_cpu(), model_parallel(tp=1) as pgs:
+            yield pgs
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.no_grad()
+def dualkv_logprobs(hf_model, groups, dtype, pgs, device, backend):
+    from megatron_dualkv import build_layout
+    from megatron_dualkv.checkpoint import load_hf_checkpoint, model_config_from_hf
+    from megatron_dualkv.megatron import build_dualkv_model
+
+    # like for like with transformers' bf16 model: the router runs in the model dtype (no
+    # moe_router_dtype='fp32'; Megatron casts its float32 router weight to the input dtype)
+    cfg = model_config_from_hf(hf_model.config, params_dtype=dtype, use_cpu_initialization=device.type == "cpu",
+                               perform_initialization=False)
+    model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False, attention_backend=backend)
+    load_hf_checkpoint(model, hf_model.state_dict())
+    layout = build_layout(groups, vocab_size=cfg.vocab_size).to(device)
+    out = model(layout=layout).logprobs.double().cpu()
+    del model
+    return out, layout
+
+
+def chosen_backend(layout, dtype, device, head_dim: int, heads: int, backend) -> str:
+    from megatron_dualkv.ops.attention import select_backend
+
+    q = torch.zeros(layout.num_tokens, heads, head_dim, dtype=dtype, device=device)
+    return select_backend(q, backend)[0]  # the model logged the choice and the reason
+
+
+def stats(err: torch.Tensor) -> tuple[float, float, float]:
+    a = err.abs()
+    return a.max().item(), a.mean().item(), torch.quantile(a.float(), 0.999).item()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    parser.add_argument("--moe", action="store_true", help="Qwen3-MoE shape instead of dense Qwen3")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default=None, help="force a DualKV attention backend (default: fastest)")
+    parser.add_argument("--fp32-backend", default="reference",
+                        help="DualKV attention backend of the float32 row (default: the exact reference; it checks the conversion)")
+    parser.add_argument("--fp32-tol", type=float, default=1e-3, help="allowed max |logprob error| of DualKV float32")
+    parser.add_argument("--slack", type=float, default=0.05, help="allowed relative excess over transformers' bf16 error")
+    parser.add_argument("--device", default=None, help="default: cuda if available (cpu for --tiny without a GPU)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and not args.tiny:
+        parser.error("the full-size check needs a GPU; use --tiny on a CPU")
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 for the reference
+    torch.backends.cudnn.allow_tf32 = False
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    key = ("tiny" if args.tiny else "dense") if not args.moe else ("tiny-moe" if args.tiny else "moe")
+    shape = SHAPES[key]
+    t0 = time.time()
+    hf = make_hf_model(shape, args.moe, args.seed, device)
+    n_params = sum(p.numel() for p in hf.parameters())
+    groups = make_groups(args.tiny, shape["vocab_size"], args.seed + 1)
+    n_resp = sum(len(g.responses) for g in groups)
+    print(f"model: {'Qwen3-MoE' if args.moe else 'Qwen3'} {n_params / 1e9:.2f}B parameters, {shape['num_hidden_layers']} layers; "
+          f"{len(groups)} groups, {n_resp} responses, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    import transformers
+
+    rows = []
+    with megatron_world(device) as pgs:
+        ref = hf_logprobs(hf, groups, device)
+        rows.append(("transformers", "float32", hf.config._attn_implementation, ref))
+        lp32, layout = dualkv_logprobs(hf, groups, torch.float32, pgs, device, args.fp32_backend)
+        be32 = chosen_backend(layout, torch.float32, device, shape["head_dim"], shape["num_attention_heads"],
+                              args.fp32_backend)
+        rows.append(("DualKV Megatron", "float32", be32, lp32))
+        lp16, _ = dualkv_logprobs(hf, groups, torch.bfloat16, pgs, device, args.backend)
+        be16 = chosen_backend(layout, torch.bfloat16, device, shape["head_dim"], shape["num_attention_heads"],
+                              args.backend)
+        hf.to(torch.bfloat16)
+        hf16 = hf_logprobs(hf, groups, device)
+        rows.append(("transformers", "bfloat16", hf.config._attn_implementation, hf16))
+        rows.append(("DualKV Megatron", "bfloat16", be16, lp16))
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}; {ref.numel()} response tokens "
+          f"(packed {layout.num_tokens} tokens vs {layout.replicated_num_tokens()} replicated); "
+          f"reference logprob mean {ref.mean():.3f}, std {ref.std():.3f}; {time.time() - t0:.0f}s")
+    print()
+    print("| model | dtype | attention | max abs err | mean abs err | p99.9 abs err |")
+    print("|---|---|---|---|---|---|")
+    results = {}
+    for name, dtype, attn, lp in rows:
+        mx, mean, p999 = stats(lp - ref)
+        results[(name, dtype)] = (mx, mean, p999)
+        print(f"| {name} | {dtype} | {attn} | {mx:.3e} | {mean:.3e} | {p999:.3e} |")
+    print()
+    ok32 = results[("DualKV Megatron", "float32")][0] <= args.fp32_tol
+    d16, h16 = results[("DualKV Megatron", "bfloat16")], results[("transformers", "bfloat16")]
+    ok16 = d16[1] <= h16[1] * (1 + args.slack) and d16[2] <= h16[2] * (1 + args.slack)
+    print(f"DualKV float32 vs reference: {'OK' if ok32 else 'FAIL'} (max {results[('DualKV Megatron', 'float32')][0]:.2e})")
+    print(f"DualKV bf16 error / transformers bf16 error: mean {d16[1] / h16[1]:.3f}, p99.9 {d16[2] / h16[2]:.3f} "
+          f"-> {'OK' if ok16 else 'FAIL'} (allowed <= {1 + args.slack:.2f})")
+    return 0 if ok32 and ok16 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
