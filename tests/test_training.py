@@ -1,0 +1,312 @@
+"""The training script's pieces on CPU: forward_step/loss_func, normalisation, resume, main job.
+
+- PolicyForwardStep on a packed micro-batch == the same on the replicated batch (--no-dualkv):
+  loss sum, count, metrics and every parameter gradient (dense and MoE with aux loss, float64).
+- Megatron's per-token-loss path (DDP + forward_backward + finalize_model_grads) over a step
+  packed into two micro-batches (plus an empty slot) gives the gradient of the global token
+  mean, equal to one micro-batch holding everything and to policy_loss computed directly.
+- The CPU runner's checkpoint (torch.save of model, optimizer, reference policy, old-logprob
+  cache) resumes to exactly the losses of an uninterrupted run.
+- The script's main job runs end to end (subprocess, 2 steps) and writes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_dualkv.data import DEFAULT_ROLLOUTS, RolloutGroup, read_rollouts
+from megatron_dualkv.layout import Group, build_layout
+from megatron_dualkv.loss import PolicyBatch, PolicyLossConfig, policy_loss
+from megatron_dualkv.packing import PackingConfig
+from megatron_dualkv.training.args import check_parallelism
+from megatron_dualkv.training.data import RolloutStepStream
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 512
+F64 = torch.float64
+LOSS = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_beta=0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gloo():
+    import torch.distributed as dist
+    from megatron_cpu import free_port
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if own:
+        dist.destroy_process_group()
+
+
+def runtime(tp: int = 1):
+    import contextlib
+
+    from megatron_cpu import cuda_rng_state_on_cpu, megatron_cpu_shims, model_parallel
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(megatron_cpu_shims())
+    stack.enter_context(cuda_rng_state_on_cpu())
+    pgs = stack.enter_context(model_parallel(tp=tp))
+    return stack, pgs
+
+
+def tiny_config(size: str, dtype=F64):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron_dualkv.megatron import qwen3_config
+
+    return qwen3_config(size, vocab_size=VOCAB, use_cpu_initialization=True, params_dtype=dtype,
+                        calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads)
+
+
+def build(cfg, dualkv: bool, pgs, seed: int):
+    from megatron_dualkv.training.providers import build_policy_model
+
+    torch.manual_seed(seed)
+    model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False)
+    return model.to(cfg.transformer.params_dtype)
+
+
+def records_with_logprobs(model, records: list[RolloutGroup], seed: int) -> list[RolloutGroup]:
+    """The records with old/reference logprobs near the model's own (ratios around 1, wide enough
+    for every clip to bind) and a loss mask dropping some tokens."""
+    groups = [Group.of(r.prompt, r.responses, name=r.group_id) for r in records]
+    layout = build_layout(groups, vocab_size=VOCAB)
+    with torch.no_grad():
+        lp = model(layout=layout).logprobs.double()
+    g = torch.Generator().manual_seed(seed)
+    old = lp + 0.6 * torch.randn(lp.shape, generator=g, dtype=F64)
+    ref = lp - 0.3 * torch.randn(lp.shape, generator=g, dtype=F64).abs()
+    out, e = [], 0
+    for i, r in enumerate(records):
+        olds, refs, masks = [], [], []
+        for j, resp in enumerate(r.responses):
+            n = len(resp)
+            olds.append(old[e:e + n].clamp(max=0).tolist())
+            refs.append(ref[e:e + n].clamp(max=0).tolist())
+            masks.append([0 if (t + i + j) % 5 == 0 else 1 for t in range(n)])
+            e += n
+        out.append(RolloutGroup(r.group_id, r.prompt, r.responses, rewards=r.rewards, advantages=r.advantages,
+                                old_logprobs=olds, ref_logprobs=refs, loss_mask=masks))
+    return out
+
+
+def stream_of(records, max_tokens: int, micro_batches: int, **kw) -> RolloutStepStream:
+    cfg = PackingConfig(max_tokens=max_tokens, dp_size=1, vocab_size=VOCAB, seed=5)
+    return RolloutStepStream(records, groups_per_step=len(records), micro_batches_per_step=micro_batches,
+                             packing=cfg, dp_rank=0, **kw)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        assert g is not None, f"{n} has no gradient"
+        out[n] = g.detach().clone()
+    return out
+
+
+def assert_grads_close(got: dict, want: dict, rtol: float, atol: float, what: str) -> None:
+    """Elementwise to rtol, with atol relative to the largest entry of each gradient."""
+    assert got.keys() == want.keys()
+    for n in want:
+        scale = float(want[n].abs().max())
+        torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol * scale, msg=lambda s: f"{what}: {n}: {s}")
+    assert any(g.abs().max() > 0 for g in want.values()), f"{what}: every gradient is zero"
+
+
+# ------------------------------------------------------------------------------------------------
+# forward_step + loss_func: DualKV == replicated
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-moe"])
+def test_forward_step_and_loss_func_equal_the_replicated_batch(gloo, size):
+    from megatron_dualkv.megatron import copy_weights
+    from megatron_dualkv.training.step import PolicyForwardStep
+
+    stack, pgs = runtime()
+    with stack:
+        cfg = tiny_config(size)
+        model = build(cfg, True, pgs, seed=11)
+        base = build(cfg, False, pgs, seed=12)
+        copy_weights(model, base)
+        records = records_with_logprobs(model, read_rollouts(DEFAULT_ROLLOUTS, vocab_size=VOCAB)[:5], seed=3)
+        item = next(i for i in stream_of(records, 4096, 1).step_items(0) if i.micro_batch is not None)
+        results = {}
+        for name, net, dualkv in (("dualkv", model, True), ("replicated", base, False)):
+            out, loss_func = PolicyForwardStep(LOSS, dualkv=dualkv)(iter([item]), net)
+            loss_sum, count, metrics = loss_func(out)
+            loss_sum.backward()
+            results[name] = (loss_sum.detach(), count, metrics, grads(net))
+
+    (ld, nd, md, gd), (lr, nr, mr, gr) = results["dualkv"], results["replicated"]
+    mb = item.micro_batch
+    assert int(nd) == int(nr) == int(mb.loss_mask.sum())  # valid loss tokens, masked ones excluded
+    assert 0 < int(nd) < mb.layout.num_edges
+    torch.testing.assert_close(ld, lr, rtol=1e-9, atol=0)
+    assert md.keys() == mr.keys()
+    for k in md:
+        torch.testing.assert_close(md[k], mr[k], rtol=1e-6, atol=1e-9, msg=lambda s: f"metric {k}: {s}")
+    assert md["clip_fraction"][0] > 0 and md["kl"][0] > 0, "the rollout must exercise clipping and the KL"
+    assert md["dedup_ratio"][0] / md["dedup_ratio"][1] > 1.5
+    # Megatron's router softmax is float32 even in a float64 model: MoE to float32 rounding
+    tol = dict(rtol=1e-6, atol=1e-6) if "moe" in size else dict(rtol=1e-9, atol=1e-12)
+    assert_grads_close(gd, gr, **tol, what=f"{size} DualKV vs replicated")
+
+
+# ------------------------------------------------------------------------------------------------
+# Token-level normalisation through Megatron's schedule
+# ------------------------------------------------------------------------------------------------
+
+def test_two_micro_batches_plus_an_empty_slot_equal_one_micro_batch_and_the_global_token_mean(gloo):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron_dualkv.megatron import copy_weights
+    from megatron_dualkv.training.runner import build_ddp_and_optimizer
+    from megatron_dualkv.training.step import PolicyForwardStep
+
+    stack, pgs = runtime()
+    with stack:
+        cfg = tiny_config("tiny")
+        base_model = build(cfg, True, pgs, seed=21)
+        records = records_with_logprobs(base_model, read_rollouts(DEFAULT_ROLLOUTS, vocab_size=VOCAB)[:6], seed=4)
+        one = stream_of(records, 4096, 2).step_items(0)  # 1 real micro-batch + 1 empty slot
+        two = stream_of(records, 384, 4).step_items(0)  # the same groups split, in 4 slots
+        assert sum(i.micro_batch is None for i in one) == 1
+        assert sum(i.micro_batch is not None for i in two) >= 2, "the small budget must split the step"
+
+        def step_grads(items):
+            model = build(cfg, True, pgs, seed=99)
+            copy_weights(base_model, model)
+            ddp, _ = build_ddp_and_optimizer(model, cfg.transformer, pg_collection=pgs)
+            ddp.zero_grad_buffer()
+            losses = get_forward_backward_func()(
+                forward_step_func=PolicyForwardStep(LOSS), data_iterator=iter(items), model=[ddp],
+                num_microbatches=len(items), seq_length=0, micro_batch_size=1, forward_only=False,
+                pg_collection=pgs)
+            s = torch.stack([d["loss"] for d in losses]).sum(0)
+            return s[0] / s[1], grads(model)
+
+        loss_one, g_one = step_grads(one)
+        loss_two, g_two = step_grads(two)
+
+        # directly: the token mean over the whole step on one layout
+        mb = next(i.micro_batch for i in one if i.micro_batch is not None)
+        model = build(cfg, True, pgs, seed=98)
+        copy_weights(base_model, model)
+        loss, _ = policy_loss(model(layout=mb.layout).logprobs, mb.policy_batch(), mb.layout, LOSS)
+        loss.backward()
+        g_direct = grads(model)
+
+    torch.testing.assert_close(loss_two.double(), loss_one.double(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss_one.double(), loss.detach(), rtol=1e-6, atol=0)
+    # Megatron DDP accumulates main_grad in float32 (the model is float64): float32 rounding. A
+    # wrong normaliser (per micro-batch, or a missing empty-slot count) is off by O(1).
+    assert_grads_close(g_one, g_direct, rtol=1e-6, atol=1e-6, what="schedule (1 micro-batch) vs policy_loss")
+    assert_grads_close(g_two, g_direct, rtol=1e-6, atol=1e-6, what="schedule (2 micro-batches) vs policy_loss")
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint and resume
+# ------------------------------------------------------------------------------------------------
+
+def test_resume_from_checkpoint_reproduces_the_next_losses_exactly(gloo, tmp_path):
+    from megatron_dualkv.training.log import StepLog
+    from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
+    from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, ReferencePolicy
+    from megatron_dualkv.training.throughput import ModelShape
+
+    records = read_rollouts(DEFAULT_ROLLOUTS, vocab_size=VOCAB)[:8]
+
+    def run(seed: int, start: int, steps: int, load: str | None = None, save: str | None = None) -> list[float]:
+        stack, pgs = runtime()
+        with stack:
+            cfg = tiny_config("tiny", torch.float32)
+            model = build(cfg, True, pgs, seed=seed)
+            reference = ReferencePolicy(build(cfg, True, pgs, seed=seed + 1), dualkv=True)
+            reference.model.load_state_dict(model.state_dict())
+            cache = OldLogprobCache()
+            ddp, opt = build_ddp_and_optimizer(model, cfg.transformer, pg_collection=pgs, lr=1e-2)
+            if load:
+                done, extra = load_checkpoint(load, ddp, opt)
+                assert done == start
+                reference.model.load_state_dict(extra["reference"])
+                cache.load_state_dict(extra["old_logprobs"])
+            cfg_pack = PackingConfig(max_tokens=256, dp_size=1, vocab_size=VOCAB, seed=1)
+            stream = RolloutStepStream(records, groups_per_step=4, micro_batches_per_step=4, packing=cfg_pack,
+                                       dp_rank=0, updates_per_batch=2)
+            log = StepLog(ModelShape.of(cfg.transformer, cfg.vocab_size))
+            fs = PolicyForwardStep(LOSS, log=log, reference=reference, old_logprobs=cache)
+            recs = train_steps(ddp, opt, fs, stream.iterate(start_step=start), num_steps=steps, num_microbatches=4,
+                               log=log, pg_collection=pgs)
+            if save:
+                save_checkpoint(save, start + steps, ddp, opt,
+                                {"reference": reference.model.state_dict(), "old_logprobs": cache.state_dict()})
+            return [r.loss for r in recs]
+
+    full = run(seed=3, start=0, steps=3)
+    ckpt = str(tmp_path / "ckpt")
+    first = run(seed=3, start=0, steps=1, save=ckpt)
+    resumed = run(seed=77, start=1, steps=2, load=ckpt)  # other init: everything must come from the file
+    assert first == full[:1]
+    assert resumed == full[1:], f"resumed {resumed} != uninterrupted {full[1:]}"
+    assert len(set(full)) == 3  # the steps differ (the test would not notice a stale model otherwise)
+
+
+# ------------------------------------------------------------------------------------------------
+# The main job, and errors
+# ------------------------------------------------------------------------------------------------
+
+def test_the_cpu_main_job_runs_end_to_end(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MEGATRON_DUALKV_CPU_RUNNER="1")
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("MASTER_PORT", None)
+    save = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_grpo_dualkv.py"), "--demo", "--train-iters", "2",
+         "--groups-per-step", "4", "--save", str(save), "--save-interval", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.lstrip().startswith("step ") and "| loss" in l]
+    assert [l.split("|")[0].split()[1] for l in lines] == ["1", "2"], proc.stdout[-3000:]
+    for key in ("loss", "kl", "clip", "tok/s", "dedup", "MFU"):
+        assert all(key in l for l in lines), (key, lines)
+    assert (save / "rank00000.pt").exists()
+
+
+def _args(**kw):
+    base = dict(pipeline_model_parallel_size=1, context_parallel_size=1, micro_batch_size=1, groups_per_step=2,
+                updates_per_batch=1)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(pipeline_model_parallel_size=2), "pipeline parallelism"),
+    (dict(context_parallel_size=2), "context parallelism"),
+    (dict(micro_batch_size=2), "micro-batch-size must be 1"),
+    (dict(groups_per_step=0), "groups-per-step"),
+])
+def test_unsupported_settings_are_refused_with_the_reason(kw, match):
+    with pytest.raises(ValueError, match=match):
+        check_parallelism(_args(**kw))
+    check_parallelism(_args())
+
+
+def test_a_step_that_needs_more_micro_batches_than_megatron_runs_is_an_error():
+    records = read_rollouts(DEFAULT_ROLLOUTS, vocab_size=VOCAB)[:6]
+    with pytest.raises(ValueError, match=r"rollout batch 0: its 6 groups need \d+ micro-batches .* at most 1"):
+        stream_of(records, 256, 1).step_items(0)
+    with pytest.raises(ValueError, match="cannot repeat a group"):
+        RolloutStepStream(records, groups_per_step=7, micro_batches_per_step=1,
+                          packing=PackingConfig(max_tokens=256), dp_rank=0)
