@@ -371,3 +371,123 @@ def test_train_steps_over_local_batches_and_bad_batches_fail_before_any_work(mod
     bad["input_ids"][10, 0] += 1
     with pytest.raises(NemoRLBatchError, match=r"rows \[9, 10, 11\]"):
         runner.get_logprobs(bad)
+
+
+def test_moe_model_converted_in_place_matches_the_stock_model(models):
+    """to_dualkv_model swaps the router too: a tiny MoE (top-2 of 4 experts) gives the stock
+    model's logprobs on the rows after conversion."""
+    from megatron_dualkv.megatron import DualKVTopKRouter
+
+    base, _ = models
+    cfg = qwen3_config("tiny-moe", use_cpu_initialization=True, params_dtype=F64, vocab_size=VOCAB,
+                       moe_aux_loss_coeff=0.0)
+    pgs = base.pg_collection
+    torch.manual_seed(12)
+    stock, moe = (build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False).double() for _ in range(2))
+    copy_weights(stock, moe)
+    to_dualkv_model(moe)
+    routers = [m for m in moe.modules() if isinstance(m, DualKVTopKRouter)]
+    assert len(routers) == 2 and moe._dualkv_routers == routers
+    assert moe.state_dict().keys() == stock.state_dict().keys()
+    data = build_batch(VARIABLE_N, seed=13, explicit_ids=True, shuffle=True)
+    runner = DualKVPolicyRunner(moe, DualKVSettings(max_tokens_per_microbatch=32), temperature=TEMPERATURE)
+    got = runner.get_logprobs(data)
+    with torch.no_grad():
+        want = stock_logprobs(stock, data)
+    span = response_span(data)
+    # Megatron's router softmax runs in float32 even in a float64 model
+    torch.testing.assert_close(got[span].double(), want[span], rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="expected a Megatron GPTModel"):
+        to_dualkv_model(torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# The worker extension's glue, on a stand-in for the host worker (NeMo-RL is not installable)
+# --------------------------------------------------------------------------------------------
+
+
+class HostWorker:
+    """The attributes of NeMo-RL's Megatron worker that DualKVWorkerMixin uses, and its two
+    methods (recording that they ran): what the extension defers to when DualKV is off."""
+
+    def __init__(self, cfg, model, optimizer, scheduler):
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.host_calls = []
+
+    def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None):
+        self.host_calls.append("train")
+        return {"host": True}
+
+    def get_logprobs(self, *, data, micro_batch_size=None):
+        self.host_calls.append("get_logprobs")
+        return {"host": True}
+
+
+class MegatronLikeOptimizer:
+    """torch SGD behind Megatron's optimizer interface: step() -> (ok, grad_norm, num_zeros)."""
+
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.sgd = torch.optim.SGD(self.params, lr=lr)
+
+    def zero_grad(self):
+        self.sgd.zero_grad(set_to_none=True)
+
+    def step(self):
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params if p.grad is not None))
+        self.sgd.step()
+        return True, float(norm), None
+
+
+def test_worker_mixin_trains_and_scores_through_dualkv_and_defers_when_off(models, monkeypatch):
+    import sys
+    import types
+
+    from megatron_dualkv.integrations.nemo_rl import worker
+
+    base, dualkv = models
+    data = build_batch(SAME_N, seed=14)
+    with torch.no_grad():
+        data = with_logprob_keys(data, stock_logprobs(base, data), seed=15)
+    loss_cfg = dict(reference_policy_kl_penalty=0.05, ratio_clip_max=0.28)
+    section = dict(enabled=True, max_tokens_per_microbatch=24, num_generations_per_prompt=3)
+    runner = DualKVPolicyRunner(dualkv, DualKVSettings.from_dict(section), temperature=TEMPERATURE)
+    dualkv.zero_grad(set_to_none=True)
+    runner.train(data, ClippedPGAdapter.from_config(loss_cfg))
+    grads = {n: p.grad.clone() for n, p in dualkv.named_parameters()}
+    saved = {n: p.detach().clone() for n, p in dualkv.named_parameters()}
+    steps = []
+    scheduler = types.SimpleNamespace(step=lambda increment: steps.append(increment))
+
+    class Worker(worker.DualKVWorkerMixin, HostWorker):
+        pass
+
+    cfg = {"dualkv": section, "train_global_batch_size": 12, "generation": {"temperature": TEMPERATURE}}
+    w = Worker(cfg, dualkv, MegatronLikeOptimizer(dualkv.parameters(), lr=0.5), scheduler)
+    try:
+        lp = w.get_logprobs(data=data)["logprobs"]
+        torch.testing.assert_close(lp, runner.get_logprobs(data), rtol=0, atol=0)
+        out = w.train(data, loss_cfg)
+        assert steps == [12] and out["global_loss"].shape == (1,) and out["grad_norm"].shape == (1,)
+        for n, p in dualkv.named_parameters():  # one SGD step on the DualKV gradients
+            torch.testing.assert_close(p.detach(), saved[n] - 0.5 * grads[n], rtol=1e-12, atol=1e-15)
+        assert w.host_calls == []
+    finally:
+        with torch.no_grad():
+            for n, p in dualkv.named_parameters():
+                p.copy_(saved[n])
+    off = Worker({"dualkv": {"enabled": False}}, dualkv, None, None)
+    assert off.train(data, loss_cfg) == {"host": True} and off.get_logprobs(data=data) == {"host": True}
+    assert off.host_calls == ["train", "get_logprobs"]
+
+    # the lazily built worker class subclasses NeMo-RL's worker (stand-in modules here) as a Ray actor
+    fake = "nemo_rl.models.policy.workers.megatron_policy_worker"
+    for name in ("nemo_rl", "nemo_rl.models", "nemo_rl.models.policy", "nemo_rl.models.policy.workers", fake):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[fake].MegatronPolicyWorkerImpl = HostWorker
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(remote=lambda cls: ("actor", cls)))
+    monkeypatch.setattr(worker, "_CACHE", {})
+    kind, cls = worker.DualKVMegatronPolicyWorker
+    assert kind == "actor" and cls.__mro__[1:3] == (worker.DualKVWorkerMixin, HostWorker)
+    with pytest.raises(AttributeError):
+        worker.SomethingElse
