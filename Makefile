@@ -10,7 +10,7 @@ setup:
 	@$(SETUP) >/dev/null
 
 demo:
-	@PY=$$($(SETUP) | tail -1) && $$PY examples/equivalence_demo.py
+	@PY=$$($(SETUP) | tail -1) && $$PY examples/pretrain_grpo_dualkv.py && $$PY examples/equivalence_demo.py
 
 test:
 	@PY=$$($(SETUP) | tail -1) && $$PY -m pytest $(PYTEST_ARGS) tests
