@@ -247,6 +247,30 @@ def test_convert_cli_round_trip(tmp_path):
     assert_same_tensors(back, load_file(os.path.join(hf_dir, "model.safetensors")), "CLI round trip")
 
 
+def test_router_aux_loss_normalisation(pgs, tmp_path):
+    """router_aux_loss_coef maps to moe_aux_loss_coeff unchanged (as Megatron-Bridge does), but the
+    two losses are normalised differently: per MoE layer, transformers' load_balancing_loss_func
+    (E * sum_i f_i P_i with f_i counting all top-k picks) equals top_k times Megatron's
+    (f_i divided by T * top_k). Checked on one MoE layer and one sequence (docs/CHECKPOINTS.md)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    hf_model = make_hf_model(True, num_hidden_layers=1, mlp_only_layers=[])
+    hf_dir = save_hf(hf_model, tmp_path / "hf")
+    cfg, model = import_model(hf_dir, pgs)
+    assert cfg.transformer.moe_aux_loss_coeff == hf_model.config.router_aux_loss_coef
+    group = make_groups()[0]
+    response = group.responses[0]
+    with torch.no_grad():
+        hf_aux = hf_model(torch.tensor(group.prompt + response)[None], output_router_logits=True).aux_loss
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    model(layout=build_layout([Group.of(group.prompt, [response])], vocab_size=VOCAB))  # N=1: plain sequence
+    megatron_aux = tracker.metrics["load_balancing_loss"].values[0]
+    k = hf_model.config.num_experts_per_tok
+    assert torch.allclose(megatron_aux * k, hf_aux.float(), rtol=1e-5), (megatron_aux.item(), hf_aux.item())
+    assert not torch.allclose(megatron_aux, hf_aux.float(), rtol=1e-2)
+
+
 # ------------------------------------------------------------------------------------------------
 # Config mapping
 # ------------------------------------------------------------------------------------------------
