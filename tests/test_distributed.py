@@ -536,7 +536,12 @@ def test_dp2_grads_equal_single_rank_sum(workers):
     n = [mb["layout"].num_edges for mb in mbs]
     alone = [reference_grads(reference(workers, case, [mb], weights=ref["initial"])) for mb in mbs]
     expected = {k: (n[0] * alone[0][k] + n[1] * alone[1][k]) / (n[0] + n[1]) for k in alone[0]}
-    assert_grads_equal(gather_full_grads(out), expected, "DP=2 vs sum_k N_k grad_k / N")
+    got = gather_full_grads(out)
+    assert_grads_equal(got, expected, "DP=2 vs sum_k N_k grad_k / N")
+    # ... and the test can tell: the mean of per-replica token means is far from it
+    per_rank_mean = {k: (alone[0][k] + alone[1][k]) / 2 for k in alone[0]}
+    gap = max(((got[k] - g).abs().max() / g.abs().max()).item() for k, g in per_rank_mean.items())
+    assert gap > 100 * RTOL, f"a mean of per-replica means differs by only {gap:.1e}: micro-batches too alike"
 
 
 # ------------------------------------------------------------------------------------------------
