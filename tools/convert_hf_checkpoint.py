@@ -24,6 +24,9 @@ import sys
 
 import torch
 
+# run from a checkout without installing the package (python tools/<this>.py)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 FORMAT = "megatron_dualkv/full-state-dict/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

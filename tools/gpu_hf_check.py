@@ -31,6 +31,9 @@ import time
 
 import torch
 
+# run from a checkout without installing the package (python tools/<this>.py)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 SHAPES = {
     # Qwen3-1.7B (config.json on the Hub), randomly initialised
     "dense": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
