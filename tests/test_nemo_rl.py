@@ -476,6 +476,8 @@ def test_worker_mixin_trains_and_scores_through_dualkv_and_defers_when_off(model
         with torch.no_grad():
             for n, p in dualkv.named_parameters():
                 p.copy_(saved[n])
+    with pytest.raises(ValueError, match="top_k=20"):
+        Worker({"dualkv": section, "generation": {"top_k": 20}}, dualkv, None, None).get_logprobs(data=data)
     off = Worker({"dualkv": {"enabled": False}}, dualkv, None, None)
     assert off.train(data, loss_cfg) == {"host": True} and off.get_logprobs(data=data) == {"host": True}
     assert off.host_calls == ["train", "get_logprobs"]
@@ -491,3 +493,65 @@ def test_worker_mixin_trains_and_scores_through_dualkv_and_defers_when_off(model
     assert kind == "actor" and cls.__mro__[1:3] == (worker.DualKVWorkerMixin, HostWorker)
     with pytest.raises(AttributeError):
         worker.SomethingElse
+
+
+# --------------------------------------------------------------------------------------------
+# Two data-parallel ranks
+# --------------------------------------------------------------------------------------------
+
+DP_LOSS = dict(ratio_clip_max=0.28, ratio_clip_c=3.0, reference_policy_kl_penalty=0.05,
+               use_importance_sampling_correction=True)
+
+
+def dp_rank_task(weights: dict, data: dict) -> list[dict]:
+    """One DP rank: its contiguous half of the batch (whole groups, as NeMo-RL's Policy shards
+    it), normalisers and metrics all-reduced over the DP group; local gradients back."""
+    from megatron.core import parallel_state
+
+    with model_parallel(tp=1) as pgs:
+        cfg = qwen3_config("tiny", use_cpu_initialization=True, params_dtype=F64, vocab_size=VOCAB)
+        model = to_dualkv_model(build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False).double())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(weights[n])
+        rank, half = dist.get_rank(), data["input_ids"].shape[0] // 2
+        shard = {k: v[rank * half:(rank + 1) * half] for k, v in data.items()}
+        runner = DualKVPolicyRunner(model, DualKVSettings(max_tokens_per_microbatch=24, num_generations_per_prompt=3),
+                                    temperature=TEMPERATURE, dp_group=parallel_state.get_data_parallel_group())
+        results = []
+        for token_level in (True, False):
+            model.zero_grad(set_to_none=True)
+            out = runner.train(shard, ClippedPGAdapter.from_config(dict(DP_LOSS, token_level_loss=token_level)))
+            results.append({"metrics": out["metrics"][0], "grads": {n: p.grad for n, p in model.named_parameters()},
+                            "counts": runner.global_counts(convert_batch(shard, num_generations_per_prompt=3))})
+        return results
+
+
+def test_two_dp_ranks_sum_to_the_single_rank_step(models):
+    """Normalisers all-reduced over DP: the ranks' gradients sum to the one-rank gradient of
+    the whole batch (what DDP's sum then gives), and the all-reduced metrics equal its metrics."""
+    from megatron_cpu import GlooWorkers
+
+    base, dualkv = models
+    data = build_batch(SAME_N, seed=16)
+    with torch.no_grad():
+        data = with_logprob_keys(data, stock_logprobs(base, data), seed=17)
+    runner = DualKVPolicyRunner(dualkv, DualKVSettings(max_tokens_per_microbatch=24, num_generations_per_prompt=3),
+                                temperature=TEMPERATURE)
+    weights = {n: p.detach().clone() for n, p in dualkv.named_parameters()}
+    with GlooWorkers(2, timeout_s=120) as workers:
+        ranks = workers.run(dp_rank_task, weights, data)
+    want = (float((data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()), float(data["sample_mask"].sum()))
+    for i, token_level in enumerate((True, False)):
+        dualkv.zero_grad(set_to_none=True)
+        full = runner.train(data, ClippedPGAdapter.from_config(dict(DP_LOSS, token_level_loss=token_level)))
+        full = full["metrics"][0]
+        out = [ranks[0][i], ranks[1][i]]
+        assert out[0]["counts"] == out[1]["counts"] == want
+        for n, p in dualkv.named_parameters():
+            torch.testing.assert_close(out[0]["grads"][n] + out[1]["grads"][n], p.grad, rtol=1e-9, atol=1e-14,
+                                       msg=lambda s: f"{n} (token_level={token_level}): {s}")
+        for r in range(2):
+            assert out[r]["metrics"].keys() == full.keys()
+            for k, v in full.items():
+                assert out[r]["metrics"][k] == pytest.approx(v, rel=1e-9, abs=1e-14), (token_level, k)

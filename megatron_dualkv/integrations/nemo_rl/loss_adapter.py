@@ -178,7 +178,8 @@ class ClippedPGAdapter:
             kl_loss = float(m["kl_loss"])
         else:  # nothing valid in the whole step: NeMo-RL's masked mean gives 0 (0 / (0 + 1e-8))
             loss, kl_loss = (logprobs * 0).sum(), 0.0
-        return loss, self.metrics(logprobs.detach(), edges, layout, float(loss), kl_loss, float(global_valid_toks))
+        return loss, self.metrics(logprobs.detach(), edges, layout, float(loss.detach()), kl_loss,
+                                  float(global_valid_toks))
 
     # -- ClippedPGLossFn's metrics ------------------------------------------------------------------
     def metrics(self, lp: Tensor, edges: EdgeBatch, layout: PackedLayout, loss: float, kl_loss: float,

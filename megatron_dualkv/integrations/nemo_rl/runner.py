@@ -105,6 +105,9 @@ class DualKVPolicyRunner:
     # -- batch -> micro-batches -------------------------------------------------------------------
     def prepare(self, data: Mapping[str, Any]) -> tuple[NemoRLBatch, list, list[EdgeIndex]]:
         s = self.settings
+        if "curr_logprobs_keep_mask" in data:
+            raise ValueError("the batch carries curr_logprobs_keep_mask (top-k/top-p filtered training logprobs): "
+                             "not supported by DualKV")
         batch = convert_batch(data, num_generations_per_prompt=s.num_generations_per_prompt,
                               group_id_key=s.group_id_key)
         mbs = plan_micro_batches(batch, max_tokens=s.max_tokens_per_microbatch,

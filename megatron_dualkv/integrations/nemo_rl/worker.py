@@ -46,8 +46,14 @@ class DualKVWorkerMixin:
             from megatron.core import parallel_state
 
             settings = DualKVSettings.from_dict(section)
+            generation = self.cfg.get("generation") or {}
+            top_k, top_p = generation.get("top_k"), generation.get("top_p")
+            if top_k not in (None, 0, -1) or top_p not in (None, 1.0):
+                # NeMo-RL then filters the training logprobs to the top-k/top-p support; DualKV does not
+                raise ValueError(f"policy.dualkv: generation top_k={top_k} / top_p={top_p} are not supported "
+                                 f"(training logprobs would need the same filtering); use top_k null, top_p 1.0")
             to_dualkv_model(self.model)
-            temperature = float((self.cfg.get("generation") or {}).get("temperature", 1.0))
+            temperature = float(generation.get("temperature", 1.0))
             self._dualkv = DualKVPolicyRunner(self.model, settings, temperature=temperature,
                                               dp_group=parallel_state.get_data_parallel_group())
         return self._dualkv
