@@ -162,6 +162,46 @@ def test_flex_local_block_mask_and_eager_attention():
     assert (out - ref[rows]).abs().max() < 1e-12
 
 
+def cp_attention_worker(kind: str) -> dict:
+    """One rank's attention output and input gradients (of a fixed random loss) under CP=2."""
+    import torch.distributed as dist
+
+    from megatron_dualkv.cp import cp_dualkv_attention, ulysses_dualkv_attention
+
+    part, q, k, v = _local_rows_case()
+    shard = part.shard(dist.get_rank())
+    rows = shard.rows
+    ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
+    attend = ulysses_dualkv_attention if kind == "a2a" else cp_dualkv_attention
+    out = attend(ql, kl, vl, shard, dist.group.WORLD, 0.3, "reference")
+    weight = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(9))[rows]
+    (out * weight).sum().backward()
+    return {"rows": rows, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "a2a"])
+def test_cp_attention_forward_and_backward_equal_full(workers, kind):
+    """Two gloo ranks: each rank's output rows and its rows' dQ, dK, dV (K/V gradients reduced back
+    from every rank's queries) equal the full reference attention's."""
+    part, q, k, v = _local_rows_case()
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    ref, _ = reference_attention(q, k, v, part.layout.segments, 0.3)
+    weight = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(9))
+    (ref * weight).sum().backward()
+    for res in workers.run(cp_attention_worker, kind, world_size=2):
+        rows = res["rows"]
+        for name, got, want in (("out", res["out"], ref.detach()), ("dq", res["dq"], q.grad),
+                                ("dk", res["dk"], k.grad), ("dv", res["dv"], v.grad)):
+            assert (got - want[rows]).abs().max() < 1e-12, (kind, name)
+
+
+def test_ulysses_refuses_heads_that_do_not_split():
+    from megatron_dualkv.cp import ulysses_problem
+
+    assert ulysses_problem(32, 8, 4) == ""
+    assert "multiples of 2" in ulysses_problem(2, 1, 2)
+
+
 def test_cuda_backend_is_skipped_for_local_queries_with_reason():
     from megatron_dualkv.ops.attention import backend_status
 
@@ -188,7 +228,7 @@ def make_microbatch(seed: int, spec) -> dict:
 SPECS = [[(13, [4, 1, 6]), (5, [3, 7])], [(6, [2, 9]), (11, [5, 3, 1])]]
 
 
-def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, router: tuple, mbs: list, weights, chunk_multiple: int) -> dict:
+def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, mbs: list, weights, chunk_multiple: int) -> dict:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -201,7 +241,7 @@ def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, router: tuple, mbs: lis
     global_num_tokens = float(sum(mb["layout"].num_edges for mb in mbs))
     with model_parallel(tp=tp, cp=cp) as pgs:
         cfg = qwen3_config(
-            "tiny-moe" if moe else "tiny", **dict(router), vocab_size=VOCAB, use_cpu_initialization=True,
+            "tiny-moe" if moe else "tiny", **dict(overrides), vocab_size=VOCAB, use_cpu_initialization=True,
             params_dtype=torch.float32, tensor_model_parallel_size=tp, context_parallel_size=cp,
             sequence_parallel=sp, calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
         )
@@ -274,13 +314,13 @@ def assert_prompt_rows_split(results: list, mbs: list) -> None:
     raise AssertionError("no group has its last prompt row on another rank than a response: the test lost its point")
 
 
-def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, router: tuple = ()):
+def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, overrides: tuple = ()):
     mbs = [make_microbatch(40 + i, spec) for i, spec in enumerate(SPECS)]
     chunk_multiple = 2 * tp
-    ref = workers.run(cp_train_step, moe, 1, 1, False, router, mbs, None, chunk_multiple, world_size=1)[0]
-    out = workers.run(cp_train_step, moe, cp, tp, sp, router, mbs, ref["initial"], chunk_multiple, world_size=cp * tp)
+    ref = workers.run(cp_train_step, moe, 1, 1, False, overrides, mbs, None, chunk_multiple, world_size=1)[0]
+    out = workers.run(cp_train_step, moe, cp, tp, sp, overrides, mbs, ref["initial"], chunk_multiple, world_size=cp * tp)
     assert_prompt_rows_split([r for r in out if r["rank"] % tp == 0], mbs)
-    what = f"CP={cp} TP={tp} sp={sp} moe={moe} {dict(router)}"
+    what = f"CP={cp} TP={tp} sp={sp} moe={moe} {dict(overrides)}"
     for res in out:
         for k in range(len(mbs)):
             assert_close(res["logprobs"][k], ref["logprobs"][k], f"{what}: logprobs of micro-batch {k} on rank {res['rank']}")
@@ -292,10 +332,14 @@ def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, router: tupl
     assert_grads_equal(gather_full_grads(out), {n: g for n, (s, g) in ref["grads"].items()}, what)
 
 
-@pytest.mark.parametrize("moe,router", [(False, ()), (True, ()), (True, SEQ_AUX_AND_Z)],
-                         ids=["dense", "moe-aux", "moe-seqaux-z"])
-def test_cp2_equals_cp1(workers, moe, router):
-    run_and_compare(workers, moe, cp=2, tp=1, sp=False, router=router)
+A2A = (("cp_comm_type", "a2a"),)
+
+
+@pytest.mark.parametrize("moe,overrides", [(False, ()), (True, ()), (True, SEQ_AUX_AND_Z), (False, A2A), (True, A2A)],
+                         ids=["dense", "moe-aux", "moe-seqaux-z", "dense-a2a", "moe-a2a"])
+def test_cp2_equals_cp1(workers, moe, overrides):
+    """K/V all-gather (default) and all-to-all (Ulysses, heads split over CP) variants."""
+    run_and_compare(workers, moe, cp=2, tp=1, sp=False, overrides=overrides)
 
 
 def test_cp2_tp2_sequence_parallel_equals_cp1(workers):

@@ -33,7 +33,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..cp import CPShard, cp_dualkv_attention
+from ..cp import CPShard, cp_dualkv_attention, ulysses_dualkv_attention, ulysses_problem
 from ..layout import PackedLayout
 from ..ops import dualkv_attention
 
@@ -82,6 +82,9 @@ def dualkv_packed_seq_params(layout: PackedLayout | CPShard, host_cu_seqlens: bo
         )
 
     return layout.cached(("megatron_packed_seq_params", host_cu_seqlens), build)
+
+
+CP_COMM_TYPES = (None, "all_gather", "a2a")
 
 
 def megatron_softmax_scale(config: TransformerConfig, softmax_scale: Optional[float]) -> float:
@@ -133,15 +136,22 @@ class DualKVCoreAttention(MegatronModule):
                 f"DualKVCoreAttention has no attention dropout (got attention_dropout={dropout}); "
                 "set TransformerConfig.attention_dropout=0.0 (GRPO policy updates use none)"
             )
-        if cp_comm_type not in (None, "all_gather"):
+        if cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(
-                f"DualKVCoreAttention implements context parallelism by K/V all-gather; got cp_comm_type={cp_comm_type!r} "
-                "(leave TransformerConfig.cp_comm_type unset or 'all_gather')"
+                f"DualKVCoreAttention's context parallelism is 'all_gather' (K/V all-gather, the default) or 'a2a' "
+                f"(heads split by all-to-all); got cp_comm_type={cp_comm_type!r}"
             )
+        self.cp_comm_type = cp_comm_type or "all_gather"
         if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
             self.cp_group = pg_collection.cp
         else:
             self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        cp = self.cp_group.size() if self.cp_group is not None else 1
+        if self.cp_comm_type == "a2a" and cp > 1:
+            tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
+            problem = ulysses_problem(config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp, cp)
+            if problem:
+                raise ValueError(f"cp_comm_type='a2a': {problem}; use cp_comm_type='all_gather'")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"DualKVCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
         if getattr(config, "window_size", None) is not None:
@@ -181,7 +191,8 @@ class DualKVCoreAttention(MegatronModule):
         if shard is not None:
             if shard.cp_size != cp:
                 raise ValueError(f"the CPShard splits the micro-batch over {shard.cp_size} ranks but the CP group has {cp}")
-            out = cp_dualkv_attention(query, key, value, shard, self.cp_group, self.softmax_scale, self.backend)
+            attend = ulysses_dualkv_attention if self.cp_comm_type == "a2a" else cp_dualkv_attention
+            out = attend(query, key, value, shard, self.cp_group, self.softmax_scale, self.backend)
         else:
             out = dualkv_attention(query, key, value, layout, softmax_scale=self.softmax_scale, backend=self.backend)
         return out.reshape(out.size(0), -1)
