@@ -345,3 +345,29 @@ def test_cp2_equals_cp1(workers, moe, overrides):
 def test_cp2_tp2_sequence_parallel_equals_cp1(workers):
     """4 ranks: CP=2 x TP=2 with sequence parallelism, MoE (Megatron refuses MoE + TP without SP)."""
     run_and_compare(workers, True, cp=2, tp=2, sp=True)
+
+
+def test_gpu_cp_check_tool_runs_tiny_on_cpu(tmp_path):
+    """tools/gpu_cp_check.py --tiny: the 2-GPU script's whole path on 2 CPU ranks (gloo)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from megatron_cpu import free_port
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "cp_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         os.path.join(repo, "tools", "gpu_cp_check.py"), "--tiny", "--out", str(out)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    for comm in ("all_gather", "a2a"):
+        check = summary["exactness_float32"][f"cp2_{comm}"]
+        assert check["passed"] and check["grad_rel_max"] <= 1e-4, check
+    cost = summary["cost_bf16"]
+    assert len(cost["per_rank"]) == 2 and cost["attention_imbalance_cp2"] >= 1.0

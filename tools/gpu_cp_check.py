@@ -8,11 +8,11 @@ Both phases run one full training step (Megatron DDP, forward_backward_no_pipeli
 per-token GRPO loss, finalize_model_grads) of a few-layer Qwen3-shaped DualKV model:
 
 1. Exactness, float32 (TF32 off): a micro-batch of several groups, CP=1 vs CP=2 with the same
-   weights. CP=1 runs on both ranks as two data-parallel replicas of the same micro-batch (the
+   weights, for both CP variants (K/V all-gather with local queries, and all-to-all heads). CP=1 runs on both ranks as two data-parallel replicas of the same micro-batch (the
    per-token normalisation makes that equal to one rank). Logprobs of every loss edge, the loss
    and every parameter gradient must agree to --rtol (max |diff| / max |reference| per tensor).
 2. Cost, bf16: one long group (default N=16, P=32K, R=2K), CP=1 (each rank the whole micro-batch)
-   vs CP=2 (each rank its shard): median step time over --iters steps after a warm-up step
+   vs CP=2 (each rank its shard; all-gather and all-to-all): median step time over --iters steps after a warm-up step
    (compilation), peak GPU memory per rank, the partition's attention-work imbalance, and the
    bf16 logprob difference CP=2 vs CP=1 (informational: both are bf16). Also the time of one
    layer's K/V all-gather against the rank's attention forward (why it is not overlapped).
@@ -61,7 +61,7 @@ def parse_args():
     if args.tiny:
         args.shape = "3x40x12"
         args.check_groups = "3x13x5,2x7x9"
-        args.size, args.vocab, args.iters = "tiny", 256, 2
+        args.size, args.vocab, args.iters = "tiny", 256, 1
         args.backend = "reference"
     return args
 
@@ -125,7 +125,8 @@ def rollout_data(layout, seed: int):
 # ------------------------------------------------------------------------------------------------
 
 
-def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_multiple: int) -> dict:
+def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_multiple: int,
+        comm: str = "all_gather") -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -138,6 +139,7 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
             args.size, num_layers=args.layers, vocab_size=args.vocab, params_dtype=dtype,
             bf16=dtype == torch.bfloat16, context_parallel_size=cp, use_cpu_initialization=device.type == "cpu",
             calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
+            **({"cp_comm_type": comm} if cp > 1 else {}),
         )
         model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False, attention_backend=backend,
                                    cp_chunks_per_rank=args.chunks_per_rank, cp_chunk_multiple=chunk_multiple)
@@ -195,7 +197,8 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
             part = cp_partition(layout, cp, args.chunks_per_rank, chunk_multiple)
             out["imbalance"] = part.imbalance
             out["rows_per_rank"] = part.num_local
-            out["comm"] = kv_gather_vs_attention(cfg, part.shard(pgs.cp.rank()), pgs.cp, device, dtype, backend)
+            if comm == "all_gather":
+                out["comm"] = kv_gather_vs_attention(cfg, part.shard(pgs.cp.rank()), pgs.cp, device, dtype, backend)
         del ddp, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -263,14 +266,15 @@ def main():
         layout = make_layout(spec, args.vocab, seed=1)
         data = rollout_data(layout, seed=2)
         ref = run(args, device, 1, torch.float32, layout, data, None, 0, chunk_multiple)
-        cp2 = run(args, device, 2, torch.float32, layout, data, ref["initial"], 0, chunk_multiple)
-        check = compare(ref, cp2)
-        check["groups"] = args.check_groups
-        check["tokens"] = layout.num_tokens
-        ok = (check["logprobs_rel"] <= args.rtol and check["loss_rel"] <= args.rtol
-              and check["grad_rel_max"] <= args.rtol and not check["zero_reference_grads"])
-        check["passed"] = ok
-        summary["exactness_float32"] = check
+        summary["exactness_float32"] = {"groups": args.check_groups, "tokens": layout.num_tokens}
+        for comm in ("all_gather", "a2a"):
+            got = run(args, device, 2, torch.float32, layout, data, ref["initial"], 0, chunk_multiple, comm)
+            check = compare(ref, got)
+            passed = (check["logprobs_rel"] <= args.rtol and check["loss_rel"] <= args.rtol
+                      and check["grad_rel_max"] <= args.rtol and not check["zero_reference_grads"])
+            check["passed"] = passed
+            ok = ok and passed
+            summary["exactness_float32"][f"cp2_{comm}"] = check
 
         # 2. cost in bf16
         if not args.skip_cost:
@@ -279,17 +283,21 @@ def main():
             data = rollout_data(layout, seed=4)
             one = run(args, device, 1, torch.bfloat16, layout, data, None, args.iters, chunk_multiple)
             two = run(args, device, 2, torch.bfloat16, layout, data, one["initial"], args.iters, chunk_multiple)
+            a2a = run(args, device, 2, torch.bfloat16, layout, data, one["initial"], args.iters, chunk_multiple, "a2a")
             per_rank = [None, None]
-            dist.all_gather_object(per_rank, {"cp1_step_s": one["step_s"], "cp2_step_s": two["step_s"],
-                                              "cp1_peak_gib": one["peak_gib"], "cp2_peak_gib": two["peak_gib"],
-                                              "cp2_comm": two["comm"]})
+            dist.all_gather_object(per_rank, {
+                "cp1_step_s": one["step_s"], "cp2_all_gather_step_s": two["step_s"], "cp2_a2a_step_s": a2a["step_s"],
+                "cp1_peak_gib": one["peak_gib"], "cp2_all_gather_peak_gib": two["peak_gib"],
+                "cp2_a2a_peak_gib": a2a["peak_gib"], "cp2_all_gather_comm": two["comm"]})
             summary["cost_bf16"] = {
                 "shape": args.shape, "tokens": layout.num_tokens, "rows_per_rank_cp2": two["rows_per_rank"],
                 "attention_imbalance_cp2": two["imbalance"], "per_rank": per_rank,
-                "cp1_warmup_s": one["warmup_s"], "cp2_warmup_s": two["warmup_s"],
-                "speedup": one["step_s"] / two["step_s"],
-                "bf16_logprobs_max_abs_diff": float((two["logprobs"] - one["logprobs"]).abs().max()),
-                "bf16_grad_rel_max": compare(one, two)["grad_rel_max"],
+                "warmup_s": {"cp1": one["warmup_s"], "cp2_all_gather": two["warmup_s"], "cp2_a2a": a2a["warmup_s"]},
+                "speedup_all_gather": one["step_s"] / two["step_s"], "speedup_a2a": one["step_s"] / a2a["step_s"],
+                "bf16_vs_cp1": {
+                    name: {"logprobs_max_abs_diff": float((x["logprobs"] - one["logprobs"]).abs().max()),
+                           "grad_rel_max": compare(one, x)["grad_rel_max"]}
+                    for name, x in (("all_gather", two), ("a2a", a2a))},
             }
     if rank == 0:
         text = json.dumps(summary, indent=2)
