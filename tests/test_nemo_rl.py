@@ -28,6 +28,8 @@ from megatron_dualkv.integrations.nemo_rl import (
     DualKVSettings,
     NemoRLBatchError,
     convert_batch,
+    group_aligned_order,
+    inverse_order,
     plan_micro_batches,
     to_dualkv_model,
 )
@@ -129,6 +131,42 @@ def test_packing_keeps_groups_whole_when_they_fit_and_splits_with_the_prompt_oth
             assert grp.prompt == batch.records[rec].prompt  # every piece carries the whole prompt
     covered = sorted(batch.rows[r][i] for mb in mbs for r, i in mb.response_source)
     assert covered == list(range(12))
+
+
+def test_group_aligned_order_gives_dp_shards_of_whole_balanced_groups():
+    # 8 groups of 3, packed sizes from 5 to 47 tokens, heaviest first (contiguous shards: unbalanced)
+    spec = [(p, [(r, []), (r, []), (r + 1, [])]) for p, r in [(9, 12), (8, 11), (7, 10), (6, 8), (4, 3), (3, 2),
+                                                                (2, 1), (1, 1)]]
+    shuffled = build_batch(spec, seed=20, explicit_ids=True, shuffle=True)
+    data = build_batch(spec, seed=20, explicit_ids=True)
+    def work(rows, d=data):  # packed tokens of the groups in these rows
+        return sum(len(r.prompt) + sum(r.response_lengths) for r in convert_batch({k: v[rows] for k, v in d.items()}).records)
+
+    for gbs in (24, 12):  # one global batch, or two (each permuted inside itself)
+        order = group_aligned_order(data, dp_size=2, global_batch_size=gbs)
+        assert sorted(order) == list(range(24))
+        perm = torch.tensor(order)
+        reordered = {k: v[perm] for k, v in data.items()}
+        for start in range(0, 24, gbs):
+            assert set(order[start:start + gbs]) == set(range(start, start + gbs))
+            halves = [list(range(start + h * gbs // 2, start + (h + 1) * gbs // 2)) for h in range(2)]
+            loads = []
+            for rows in halves:  # whole groups: consecutive copies of N = 3, verified
+                shard = {k: v[rows] for k, v in reordered.items() if k != "prompt_id"}
+                assert len({int(i) for i in reordered["prompt_id"][rows]}) == gbs // 6
+                assert convert_batch(shard, num_generations_per_prompt=3).num_groups == gbs // 6
+                loads.append(work(perm[rows]))
+            assert abs(loads[0] - loads[1]) <= 47
+        assert [order[j] for j in inverse_order(order)] == list(range(24))
+    one = group_aligned_order(shuffled, dp_size=2)  # rows of a group anywhere in the batch
+    loads = [work(torch.tensor(one[:12]), shuffled), work(torch.tensor(one[12:]), shuffled)]
+    assert sum(loads) == 192 and abs(loads[0] - loads[1]) <= 6  # groups in order: 157 vs 35 packed tokens
+    with pytest.raises(NemoRLBatchError, match=r"prompt_id=\d+ has rows in global batches 0 and 1"):
+        group_aligned_order(shuffled, dp_size=2, global_batch_size=12)
+    with pytest.raises(NemoRLBatchError, match="8 groups cannot be dealt evenly to 3"):
+        group_aligned_order(data, dp_size=3, global_batch_size=24)
+    with pytest.raises(NemoRLBatchError, match="groups of different sizes"):
+        group_aligned_order(build_batch(VARIABLE_N, seed=21, explicit_ids=True), dp_size=1)
 
 
 # --------------------------------------------------------------------------------------------

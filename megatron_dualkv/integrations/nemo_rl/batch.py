@@ -26,7 +26,7 @@ columns of logprobs nowhere: its losses mask them with token_mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -73,6 +73,7 @@ class NemoRLBatch:
     lengths: tuple[int, ...]
     batch_size: int
     seq_len: int
+    _row_values: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_groups(self) -> int:
@@ -109,7 +110,13 @@ class NemoRLBatch:
 
     def row_values(self, key: str) -> Tensor:
         """[B] per-row values of `key`; a [B, S] key must hold one value per row on the row's loss
-        tokens (token_mask != 0), as NeMo-RL's GRPO advantages do (a row scalar expanded)."""
+        tokens (token_mask != 0), as NeMo-RL's GRPO advantages do (a row scalar expanded). Checked
+        once per key and batch."""
+        if key not in self._row_values:
+            self._row_values[key] = self._per_row(key)
+        return self._row_values[key]
+
+    def _per_row(self, key: str) -> Tensor:
         x = self.data[key]
         if not isinstance(x, Tensor):
             x = torch.as_tensor(x)
