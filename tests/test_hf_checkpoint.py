@@ -339,6 +339,7 @@ def test_mismatched_checkpoint_is_refused(pgs, tmp_path):
 
 PARALLEL_CASES = [  # (checkpoint, tp, ep, etp); TP runs with sequence parallelism
     ("dense", 2, 1, None),
+    ("dense-1kv", 2, 1, None),  # TP > query groups: the ranks split one group's [q q k v] rows
     ("dense-tied", 2, 1, None),
     ("moe", 1, 2, None),
     ("moe", 2, 2, 1),
@@ -367,14 +368,20 @@ def parallel_import_export(hf_dirs: dict, groups: list, out_root: str) -> dict:
     return results
 
 
-def test_tp_ep_import_and_export_match_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def workers():
+    """Two gloo worker processes shared by the parallel tests (Megatron is imported once per worker)."""
+    with GlooWorkers(2, timeout_s=240) as pool:
+        yield pool
+
+
+def test_tp_ep_import_and_export_match_transformers(workers, tmp_path):
     models = {"dense": make_hf_model(False), "dense-tied": make_hf_model(False, tie_word_embeddings=True),
-              "moe": make_hf_model(True)}
+              "dense-1kv": make_hf_model(False, num_key_value_heads=1), "moe": make_hf_model(True)}
     hf_dirs = {name: save_hf(m, tmp_path / name) for name, m in models.items()}
     groups = make_groups()
     expected = {name: transformers_logprobs(m, groups) for name, m in models.items()}
-    with GlooWorkers(2, timeout_s=240) as workers:
-        per_rank = workers.run(parallel_import_export, hf_dirs, groups, str(tmp_path / "out"))
+    per_rank = workers.run(parallel_import_export, hf_dirs, groups, str(tmp_path / "out"))
     for case in PARALLEL_CASES:
         name, tp, ep, etp = case
         for rank, res in enumerate(per_rank):
@@ -382,7 +389,9 @@ def test_tp_ep_import_and_export_match_transformers(tmp_path):
             assert_logprobs_equal(r["logprobs"], expected[name], f"{case} rank {rank}")
         shapes = per_rank[0][case]["local_shapes"]
         if tp == 2:
-            assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"][0] == 4 * 32, f"{case}: qkv not split"
+            groups_kv = 1 if name == "dense-1kv" else 2
+            rows = groups_kv * (4 // groups_kv + 2) * 32
+            assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"][0] == rows // 2, f"{case}: qkv not split"
         if name == "moe":
             num_local = sum(1 for n in shapes if n.startswith("decoder.layers.1.mlp.experts.local_experts.")
                             and n.endswith("linear_fc1.weight"))
@@ -394,17 +403,74 @@ def test_tp_ep_import_and_export_match_transformers(tmp_path):
                             f"{case} export")
 
 
-def test_gpu_hf_check_tool_runs_tiny_on_cpu():
-    """tools/gpu_hf_check.py --tiny (the CPU smoke form of the GPU bf16 check) runs end to end and
-    its float32 row equals transformers; its bf16 verdict depends on the CPU's bf16 rounding, so
-    only its presence is checked here (the GPU run is the real check)."""
-    import subprocess
-    import sys
+def pipeline_stage_import(hf_dir: str) -> dict:
+    """Runs on each of 2 pipeline stages: import, return the stage's parameters by full name."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
-    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "gpu_hf_check.py")
-    proc = subprocess.run([sys.executable, tool, "--tiny", "--device", "cpu"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    assert "| DualKV Megatron | bfloat16 |" in proc.stdout and "| transformers | bfloat16 |" in proc.stdout, proc.stdout
-    assert "DualKV float32 vs reference: OK" in proc.stdout, proc.stdout
-    assert "DualKV bf16 error / transformers bf16 error" in proc.stdout, proc.stdout
+    from megatron_dualkv.checkpoint import iter_full_megatron_state, parameter_placements
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    try:
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        stage = pgs.pp.rank()
+        cfg = model_config_from_hf(hf_dir, use_cpu_initialization=True, pipeline_model_parallel_size=2,
+                                   pipeline_dtype=torch.float32)
+        model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False,
+                                   pre_process=stage == 0, post_process=stage == 1)
+        load_hf_checkpoint(model, hf_dir)
+        places = parameter_placements(model)
+        params = {places[n].full_name: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            next(iter_full_megatron_state(model))
+            export_refused = False
+        except ValueError:
+            export_refused = True
+        return {"params": params, "export_refused": export_refused}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_pipeline_stages_import_their_layers(workers, tmp_path):
+    """PP=2 (tied embeddings): each stage holds exactly its layers' tensors under their global
+    names, the last stage's output layer is the embedding; export under PP is refused."""
+    hf_dir = save_hf(make_hf_model(True, tie_word_embeddings=True), tmp_path / "hf")
+    cfg = model_config_from_hf(hf_dir)
+    full = hf_to_megatron_state_dict(hf_dir, cfg)
+    first, last = workers.run(pipeline_stage_import, hf_dir)
+    assert first["export_refused"] and last["export_refused"]
+    assert all(".layers.0." in n or n.startswith("embedding.") for n in first["params"]), sorted(first["params"])
+    assert all(".layers.1." in n or n in ("decoder.final_layernorm.weight", "output_layer.weight")
+               for n in last["params"]), sorted(last["params"])
+    expected = dict(full, **{"output_layer.weight": full["embedding.word_embeddings.weight"]})
+    merged = {**first["params"], **last["params"]}
+    assert_same_tensors(merged, expected, "PP=2 stages")
+
+
+def run_gpu_hf_check_tiny() -> tuple[int, str]:
+    """Runs in a worker (a gloo world of one): tools/gpu_hf_check.py --tiny on the CPU."""
+    import contextlib
+    import io
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_hf_check", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "gpu_hf_check.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main(["--tiny", "--device", "cpu"])
+    return code, out.getvalue()
+
+
+def test_gpu_hf_check_tool_runs_tiny_on_cpu(workers):
+    """tools/gpu_hf_check.py --tiny (the CPU form of the GPU bf16 check) runs end to end and its
+    float32 row equals transformers; its bf16 verdict depends on the CPU's bf16 arithmetic, so only
+    its presence is checked here (the GPU run is the real check)."""
+    (code, stdout), = workers.run(run_gpu_hf_check_tiny, world_size=1)
+    assert code in (0, 1), stdout
+    assert "| DualKV Megatron | bfloat16 |" in stdout and "| transformers | bfloat16 |" in stdout, stdout
+    assert "DualKV float32 vs reference: OK" in stdout, stdout
+    assert "DualKV bf16 error / transformers bf16 error" in stdout, stdout
