@@ -203,7 +203,9 @@ def _round_up(n: int, m: int) -> int:
 def cp_partition(layout: PackedLayout, cp_size: int, chunks_per_rank: int = 8, chunk_multiple: int = 128) -> CPPartition:
     """Split a micro-batch over `cp_size` ranks, balancing attention work (see module docstring).
 
-    chunks_per_rank: contiguous chunks each rank holds (more: finer balance, more chunk edges).
+    chunks_per_rank: contiguous chunks each rank holds at least (more: finer balance, more chunk
+    edges); up to twice as many are used when that needs less CP padding (every chunk is rounded
+    up to `chunk_multiple`, so some counts divide the micro-batch much better than others).
     chunk_multiple: chunk length is a multiple of this and of 2 (Megatron's THD RoPE splits a
     rank's rows in two halves; FlexAttention works in 128-row blocks; sequence parallelism needs
     a multiple of tp rows: pass lcm(128, tp) or lcm(2, tp) for small tests).
@@ -212,8 +214,11 @@ def cp_partition(layout: PackedLayout, cp_size: int, chunks_per_rank: int = 8, c
         raise ValueError(f"cp_size ({cp_size}), chunks_per_rank ({chunks_per_rank}) and chunk_multiple "
                          f"({chunk_multiple}) must be >= 1")
     step = math.lcm(chunk_multiple, 2)
+    t = layout.num_tokens
+    padded_len = lambda k: cp_size * k * _round_up(-(-t // (cp_size * k)), step)
+    chunks_per_rank = min(range(chunks_per_rank, 2 * chunks_per_rank + 1), key=lambda k: (padded_len(k), k))
     n_chunks = cp_size * chunks_per_rank
-    chunk = _round_up(-(-layout.num_tokens // n_chunks), step)
+    chunk = padded_len(chunks_per_rank) // n_chunks
     padded = pad_layout(layout, chunk * n_chunks)
     keys = key_counts(padded.segments).cpu()
     costs = keys.reshape(n_chunks, chunk).sum(dim=1).tolist()

@@ -147,13 +147,19 @@ class DualKVGPTModel(GPTModel):
         group = getattr(self.pg_collection, "cp", None)
         cp = group.size() if group is not None else 1
         if isinstance(layout, CPShard):
-            if layout.cp_size != cp or layout.cp_rank != group.rank():
+            if layout.cp_size != cp or layout.cp_rank != (group.rank() if group is not None else 0):
                 raise ValueError(f"CPShard of rank {layout.cp_rank} of {layout.cp_size} given to CP rank "
                                  f"{group.rank() if group is not None else 0} of {cp}")
-            return layout
-        if cp == 1:
+            shard = layout
+        elif cp == 1:
             return None
-        return cp_shard(layout, group.rank(), cp, self.cp_chunks_per_rank, self.cp_chunk_multiple)
+        else:
+            shard = cp_shard(layout, group.rank(), cp, self.cp_chunks_per_rank, self.cp_chunk_multiple)
+        tp = self.pg_collection.tp.size()
+        if self.config.sequence_parallel and shard.num_local % tp:
+            raise ValueError(f"sequence parallelism splits each CP rank's {shard.num_local} rows over tp={tp}: "
+                             f"choose cp_chunk_multiple ({self.cp_chunk_multiple}) as a multiple of {tp}")
+        return shard
 
     def _device(self) -> torch.device:
         p = next(self.parameters(), None)
