@@ -23,13 +23,11 @@ import torch.distributed as dist
 
 from megatron_cpu import GlooWorkers, cuda_runtime_as_cpu, free_port, model_parallel
 
-pytest.importorskip("transformers")  # listed in requirements.txt; skipped only outside `make test`
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from safetensors.torch import load_file  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
-
-from megatron_dualkv import Group, build_layout  # noqa: E402
-from megatron_dualkv.checkpoint import (  # noqa: E402
+from megatron_dualkv import Group, build_layout
+from megatron_dualkv.checkpoint import (
     hf_config_from_model_config,
     hf_to_megatron_state_dict,
     iter_hf_state,
@@ -39,7 +37,7 @@ from megatron_dualkv.checkpoint import (  # noqa: E402
     model_config_from_hf,
     save_hf_checkpoint,
 )
-from megatron_dualkv.megatron import build_dualkv_model, qwen3_config  # noqa: E402
+from megatron_dualkv.megatron import build_dualkv_model, qwen3_config
 
 VOCAB = 256
 # float32, different op order (fused qkv, packed attention): agreement to rounding
@@ -121,6 +119,18 @@ def assert_same_tensors(actual: dict, expected: dict, what: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # Megatron side (single process)
 # ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def own_moe_metrics_tracker():
+    """Megatron's global MoE metrics tracker sizes its per-layer entries by the first model that
+    records into it; give this module's models (1 or 2 layers) a tracker of their own."""
+    from megatron.core.transformer.moe import moe_logging
+
+    saved = moe_logging.get_moe_metrics_tracker()
+    moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
+    yield
+    moe_logging.set_moe_metrics_tracker(saved)
 
 
 @pytest.fixture(scope="module")
