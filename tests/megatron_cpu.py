@@ -374,6 +374,9 @@ def _worker_main(rank: int, conn) -> None:
         if task is None:
             return
         fn, world_size, port, timeout_s, args, kwargs = task
+        # what torchrun would set, for code that reads the environment rather than torch.distributed
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         try:
             dist.init_process_group(
                 "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
