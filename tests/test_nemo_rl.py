@@ -216,8 +216,10 @@ def test_malformed_rows_are_errors_naming_them():
     with pytest.raises(NemoRLBatchError, match=r"rows \[2\] mark tokens at or after input_lengths"):
         convert_batch(data, num_generations_per_prompt=3)
     data = dict(base, token_mask=base["token_mask"].clone())
-    data["token_mask"][8] = 0.0
-    with pytest.raises(NemoRLBatchError, match=r"rows \[8\] mark no generated token"):
+    data["token_mask"][[6, 7, 8]] = 0.0  # a group of rows without a generated token is not packed
+    assert convert_batch(data, num_generations_per_prompt=3).rows == ((0, 1, 2), (3, 4, 5), (9, 10, 11))
+    data["token_mask"][:] = 0.0
+    with pytest.raises(NemoRLBatchError, match="none of the 12 rows marks a generated token"):
         convert_batch(data, num_generations_per_prompt=3)
     data = dict(base, token_mask=base["token_mask"].clone())
     data["token_mask"][0, 0] = 1.0
@@ -297,9 +299,10 @@ def stock_logprobs(base, data) -> torch.Tensor:
 
 
 def response_span(data) -> torch.Tensor:
-    first = (data["token_mask"] != 0).int().argmax(1)
+    generated = data["token_mask"] != 0
+    first = generated.int().argmax(1)
     cols = torch.arange(data["input_ids"].shape[1])[None]
-    return (cols >= first[:, None]) & (cols < data["input_lengths"][:, None])
+    return (cols >= first[:, None]) & (cols < data["input_lengths"][:, None]) & generated.any(1)[:, None]
 
 
 def with_logprob_keys(data, curr, seed):
@@ -318,6 +321,7 @@ def test_logprobs_equal_the_stock_model_on_the_rows(models, explicit_ids):
     assert isinstance(dualkv, DualKVGPTModel)
     data = (build_batch(VARIABLE_N, seed=7, explicit_ids=True, shuffle=True) if explicit_ids
             else build_batch(SAME_N, seed=7))
+    data["token_mask"][4] = 0.0  # a row without a generated token (a truncated sample): logprobs 0
     # a small budget: several micro-batches, and the largest group split into sub-groups
     runner = DualKVPolicyRunner(dualkv, DualKVSettings(max_tokens_per_microbatch=14, num_generations_per_prompt=3),
                                 temperature=TEMPERATURE)
@@ -329,7 +333,8 @@ def test_logprobs_equal_the_stock_model_on_the_rows(models, explicit_ids):
     span = response_span(data)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got[span].double(), want[span], rtol=1e-6, atol=1e-6)  # float32 output
-    assert (got[~span] == 0).all()  # column 0, the prompt, padding
+    assert (got[~span] == 0).all()  # column 0, the prompt, padding, the row without a response
+    assert not span[4].any() and span.sum() > 25
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -338,6 +343,7 @@ def test_loss_gradients_and_metrics_equal_clipped_pg_on_the_rows(models, token_l
     micro-batches) equal ClippedPGLossFn's formula on the stock model's [B, S] logprobs."""
     base, dualkv = models
     data = build_batch(SAME_N, seed=8)
+    data["token_mask"][5] = 0.0  # no generated token, sample_mask 1: counts in global_valid_seqs only
     with torch.no_grad():
         curr0 = stock_logprobs(base, data)
     data = with_logprob_keys(data, curr0, seed=9)

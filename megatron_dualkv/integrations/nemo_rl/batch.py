@@ -11,6 +11,10 @@ multi-turn rollout the later user/tool turns lie inside the response: they are r
 of the packed micro-batch (their logprobs are computed) with loss mask token_mask = 0. Rows of a
 group must have the same first-generated position and identical tokens before it.
 
+A row without any generated token (token_mask 0 up to its length, e.g. a truncated multi-turn
+sample) is not packed: it adds nothing to ClippedPGLossFn's loss (the normalisers still come from the
+whole batch) and its logprobs come back as 0.
+
 Which rows form a group. With an explicit id column (`group_id_key`, default "prompt_id", when
 the batch has it) rows with equal ids form a group, wherever they sit. Otherwise the batch must be
 consecutive copies: rows [k*N, (k+1)*N) with N = num_generations_per_prompt (NeMo-RL's
@@ -73,11 +77,20 @@ class NemoRLBatch:
     lengths: tuple[int, ...]
     batch_size: int
     seq_len: int
+    empty_rows: tuple[int, ...] = ()  # rows without a generated token: not packed, logprobs 0
+    claimed_groups: tuple[tuple[int, ...], ...] = ()  # every group's rows, empty rows included
     _row_values: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_groups(self) -> int:
         return len(self.records)
+
+    def packed_tokens(self, rows: Sequence[int]) -> int:
+        """P + sum(R) of rows that share a prompt (empty rows add nothing)."""
+        full = [b for b in rows if self.prompt_lengths[b] < self.lengths[b]]
+        if not full:
+            return 0
+        return self.prompt_lengths[full[0]] + sum(self.lengths[b] - self.prompt_lengths[b] for b in full)
 
     # -- per micro-batch ------------------------------------------------------------------------
     def edge_index(self, mb: MicroBatch) -> EdgeIndex:
@@ -125,8 +138,8 @@ class NemoRLBatch:
         if tuple(x.shape) != (self.batch_size, self.seq_len):
             raise NemoRLBatchError(f"{key}: expected shape [B] = [{self.batch_size}] or [B, S] = "
                                    f"[{self.batch_size}, {self.seq_len}], got {tuple(x.shape)}")
-        first = torch.tensor(self.prompt_lengths, dtype=torch.int64, device=x.device)
-        per_row = x.gather(1, first[:, None]).squeeze(1)
+        first = torch.tensor(self.prompt_lengths, dtype=torch.int64, device=x.device).clamp(max=self.seq_len - 1)
+        per_row = x.gather(1, first[:, None]).squeeze(1)  # empty rows: any value (never read)
         mask = self.data["token_mask"].to(x.device) != 0
         differs = mask & (x != per_row[:, None])
         if bool(differs.any()):
@@ -140,7 +153,7 @@ class NemoRLBatch:
     # -- back to [B, S] -------------------------------------------------------------------------
     def to_sequences(self, pieces: Sequence[tuple[EdgeIndex, Tensor]], dtype=torch.float32, device=None) -> Tensor:
         """Per-edge values of every micro-batch -> [B, S] (NeMo-RL's convention, 0 elsewhere).
-        Every response of the batch must be covered exactly once."""
+        Every response of the batch must be covered exactly once (empty rows: never)."""
         pieces = list(pieces)
         if device is None:
             device = pieces[0][1].device if pieces else "cpu"
@@ -151,8 +164,10 @@ class NemoRLBatch:
                 raise ValueError(f"expected {index.row.numel()} per-edge values, got {tuple(values.shape)}")
             out[index.row.to(device), index.col.to(device)] = values.detach().to(device, dtype)
             seen.index_add_(0, index.response_row, torch.ones_like(index.response_row))
-        if bool((seen != 1).any()):
-            b = int((seen != 1).nonzero()[0, 0])
+        expected = torch.ones_like(seen)
+        expected[list(self.empty_rows)] = 0
+        if bool((seen != expected).any()):
+            b = int((seen != expected).nonzero()[0, 0])
             raise ValueError(f"row {b} was covered {int(seen[b])} times by the micro-batches (expected once)")
         return out
 
@@ -170,7 +185,8 @@ def _tensor(data: Mapping[str, Any], key: str) -> Tensor:
 
 
 def _row_spans(data: Mapping[str, Any]) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
-    """Validate input_ids / input_lengths / token_mask; (input_ids on CPU, prompt lengths, lengths)."""
+    """Validate input_ids / input_lengths / token_mask; (input_ids on CPU, prompt lengths, lengths).
+    A row without a generated token gets prompt length = length (no response)."""
     ids = _tensor(data, "input_ids")
     if ids.dim() != 2 or ids.is_floating_point():
         raise NemoRLBatchError(f"input_ids: expected integer token ids [B, S], got {ids.dtype} {tuple(ids.shape)}")
@@ -199,14 +215,13 @@ def _row_spans(data: Mapping[str, Any]) -> tuple[Tensor, tuple[int, ...], tuple[
         raise NemoRLBatchError(f"token_mask: rows {_rows_text(beyond)} mark tokens at or after input_lengths as "
                                f"generated (padding must have token_mask 0)")
     generated &= inside
-    none = (~generated.any(1)).nonzero().flatten().tolist()
-    if none:
-        raise NemoRLBatchError(f"token_mask: rows {_rows_text(none)} mark no generated token, so they have no "
-                               f"response to train on or to share a prompt with")
+    has_response = generated.any(1)
     first = generated.int().argmax(1)  # first generated column = prompt length
-    at0 = (first == 0).nonzero().flatten().tolist()
+    at0 = (has_response & (first == 0)).nonzero().flatten().tolist()
     if at0:
         raise NemoRLBatchError(f"token_mask: rows {_rows_text(at0)} mark token 0 as generated (no prompt before it)")
+    # rows without a generated token: prompt length = length (empty response span)
+    first = torch.where(has_response, first, lengths)
     return ids.cpu(), tuple(first.tolist()), tuple(lengths.tolist())
 
 
@@ -272,15 +287,22 @@ def convert_batch(data: Mapping[str, Any], *, num_generations_per_prompt: Option
         groups = [(f"rows {k}..{k + n - 1}", list(range(k, k + n))) for k in range(0, B, n)]
 
     records, rows = [], []
+    empty = tuple(b for b in range(B) if prompt_lengths[b] == lengths[b])
     for name, members_ in groups:
+        members_ = [b for b in members_ if prompt_lengths[b] < lengths[b]]
+        if not members_:
+            continue
         _check_group(ids, prompt_lengths, members_, name)
         b0 = members_[0]
         prompt = ids[b0, :prompt_lengths[b0]].tolist()
         responses = [ids[b, prompt_lengths[b]:lengths[b]].tolist() for b in members_]
         records.append(RolloutGroup(name, prompt, responses))
         rows.append(tuple(members_))
+    if not records:
+        raise NemoRLBatchError(f"none of the {B} rows marks a generated token (token_mask): nothing to train on")
     return NemoRLBatch(data=data, records=tuple(records), rows=tuple(rows), prompt_lengths=prompt_lengths,
-                       lengths=lengths, batch_size=B, seq_len=S)
+                       lengths=lengths, batch_size=B, seq_len=S, empty_rows=empty,
+                       claimed_groups=tuple(tuple(m) for _, m in groups))
 
 
 def plan_micro_batches(batch: NemoRLBatch, *, max_tokens: int, max_attention_pairs: Optional[int] = None,

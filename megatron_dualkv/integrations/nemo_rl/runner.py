@@ -175,6 +175,10 @@ class DualKVPolicyRunner:
             seq_length=max(mb.layout.num_tokens for mb in mbs), micro_batch_size=1, forward_only=forward_only,
             **kwargs,
         )
+        if batch.empty_rows and metrics and "sample_mask" in batch.data:
+            # NeMo-RL counts every row's sample_mask; rows without a response are in no micro-batch
+            sm = torch.as_tensor(batch.data["sample_mask"])
+            metrics[0]["num_valid_samples"] += float(sm[list(batch.empty_rows)].double().sum())
         return metrics, [mb.stats for mb in mbs]
 
     def train(self, data: Mapping[str, Any], adapter: ClippedPGAdapter, *, local_batch_size: Optional[int] = None,

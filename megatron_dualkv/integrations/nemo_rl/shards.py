@@ -49,16 +49,17 @@ def group_aligned_order(data: Mapping[str, Any], *, dp_size: int, global_batch_s
     for start in range(0, B, gbs):
         batch = convert_batch(_chunk(data, start, start + gbs, B), num_generations_per_prompt=num_generations_per_prompt,
                               group_id_key=group_id_key)
-        sizes = {len(rows) for rows in batch.rows}
+        groups = batch.claimed_groups
+        sizes = {len(rows) for rows in groups}
         if len(sizes) != 1:
             raise NemoRLBatchError(f"rows {start}..{start + gbs - 1}: groups of different sizes {sorted(sizes)}; equal "
                                    f"shards of whole groups need one group size")
-        G = batch.num_groups
+        G = len(groups)
         if G % dp_size:
             raise NemoRLBatchError(f"rows {start}..{start + gbs - 1}: {G} groups cannot be dealt evenly to {dp_size} "
                                    f"data-parallel ranks")
         per_rank = G // dp_size
-        work = [len(r.prompt) + sum(r.response_lengths) for r in batch.records]
+        work = [batch.packed_tokens(rows) for rows in groups]
         load, shards = [0] * dp_size, [[] for _ in range(dp_size)]
         for g in sorted(range(G), key=lambda g: (-work[g], g)):
             r = min((r for r in range(dp_size) if len(shards[r]) < per_rank), key=lambda r: (load[r], r))
@@ -66,7 +67,7 @@ def group_aligned_order(data: Mapping[str, Any], *, dp_size: int, global_batch_s
             load[r] += work[g]
         for shard in shards:
             for g in sorted(shard):
-                order.extend(start + b for b in batch.rows[g])
+                order.extend(start + b for b in groups[g])
     return order
 
 
