@@ -40,8 +40,15 @@ def timed(fn, reps):
     return statistics.median(ts)
 
 
+IMPLS = ("mma", "sm90", "sm90v1")
+BWD = ("mma", "sm90")
+
+
 def main():
+    global IMPLS, BWD
     quick = "--quick" in sys.argv
+    if "--default-only" in sys.argv:  # only the default kernels: v1 forward, deterministic backward
+        IMPLS, BWD = ("sm90v1",), ("mma",)
     hq, hkv, d = 32, 8, 128
     print(f"device: {torch.cuda.get_device_name()}")
     print("fwd: mma = mma.sync kernel, v0 = wgmma 128-key tiles 1 CTA/SM, v1 = wgmma 64-key tiles 2 CTAs/SM (default); "
@@ -64,24 +71,27 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             f_ms = {}
             with torch.no_grad():
-                for impl in ("mma", "sm90", "sm90v1"):
+                for impl in IMPLS:
                     os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "1" if impl == "sm90v1" else "0"
                     fi = impl[:4] if impl != "mma" else "mma"
                     cuda_backend.forward(q, k, v, seg, scale, fwd_impl=fi)  # warm-up
                     f_ms[impl] = timed(lambda: cuda_backend.forward(q, k, v, seg, scale, fwd_impl=fi), reps)
                 os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "1"
             fb_ms = {}
-            for impl in ("mma", "sm90"):  # "mma" row: the sm90 deterministic backward
+            for impl in BWD:  # "mma" row: the sm90 deterministic backward
+                os.environ["MEGATRON_DUALKV_ATOMIC_DQ"] = "1" if impl == "sm90" else "0"
                 def fb():
                     out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl="sm90", bwd_impl="sm90",
                                                  deterministic=(impl == "mma"))
                     out.backward(do)
                 fb()
                 fb_ms[impl] = timed(fb, reps)
+            os.environ["MEGATRON_DUALKV_ATOMIC_DQ"] = "0"
             peak = torch.cuda.max_memory_allocated() / 2**30
             fl = 4 * d * hq * pairs(n, p, r)
-            fm, f0, f1 = f_ms["mma"], f_ms["sm90"], f_ms["sm90v1"]
-            bd, bf = fb_ms["mma"], fb_ms["sm90"]
+            nan = float("nan")
+            fm, f0, f1 = f_ms.get("mma", nan), f_ms.get("sm90", nan), f_ms["sm90v1"]
+            bd, bf = fb_ms["mma"], fb_ms.get("sm90", nan)
             print(f"| {n} | {p} | {r} | {fm:.1f} | {f0:.1f} | {f1:.1f} | {bd - f1:.1f} | {bf - f1:.1f} | {bd:.1f} | "
                   f"{bf:.1f} | {fl / fm / 1e9:.0f} | {fl / f0 / 1e9:.0f} | {fl / f1 / 1e9:.0f} | {3.5 * fl / bd / 1e9:.0f} | "
                   f"{3.5 * fl / bf / 1e9:.0f} | {peak:.1f} |", flush=True)

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
   T* sV = sK + kKV * D;
   T* sQ = sV + kKV * D;          // 2 stages of kQT x D
   T* sdO = sQ + 2 * kQT * D;     // 2 stages
-  float* sL = reinterpret_cast<float*>(sdO + 2 * kQT * D);  // 2 stages of kQT (lse * log2e)
+  float* sL = reinterpret_cast<float*>(sdO + 2 * kQT * D);  // 2 stages of kQT (lse)
   float* sD = sL + 2 * kQT;                                  // 2 stages of kQT (delta)
   // dS^T [kKV x kQT] (one 128-byte-swizzled panel), fast mode only; 1024-aligned
   T* sdS = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(sD + 2 * kQT) + 1023) & ~uintptr_t(1023));
@@ -52,6 +52,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
   const int n_own = (seg_end - k0 + kQT - 1) / kQT;
   const int n_iter = per_head * group;
 
+  // the first child range (a GRPO prompt has exactly one) is kept in registers
+  const int r0a = rhi > rlo ? a.ranges[2 * rlo] : 0, r0b = rhi > rlo ? a.ranges[2 * rlo + 1] : 0;
+  const int r0n = (r0b - r0a + kQT - 1) / kQT;
   auto query_tile = [&](int i, int& q0, int& qend, bool& causal) {
     if (i < n_own) {
       q0 = k0 + i * kQT;
@@ -60,7 +63,14 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
       return;
     }
     i -= n_own;
-    for (int r = rlo; r < rhi; ++r) {
+    if (i < r0n) {
+      q0 = r0a + i * kQT;
+      qend = r0b;
+      causal = false;
+      return;
+    }
+    i -= r0n;
+    for (int r = rlo + 1; r < rhi; ++r) {
       const int ra = a.ranges[2 * r], rb = a.ranges[2 * r + 1];
       const int n = (rb - ra + kQT - 1) / kQT;
       if (i < n) {
@@ -96,12 +106,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
     const T* dog = reinterpret_cast<const T*>(a.dout) + h * D;
     load_tile<T, D, kQT>(sQ + stage * kQT * D, qg, qs, q0, qend);
     load_tile<T, D, kQT>(sdO + stage * kQT * D, dog, qs, q0, qend);
-    if (threadIdx.x < kQT) {
+    if (threadIdx.x < kQT) {  // asynchronous too: a plain load here would stall this warp every step
       const int row = q0 + threadIdx.x;
       const bool ok = row < qend;
       const long idx = (long)h * a.T + (ok ? row : 0);
-      sL[stage * kQT + threadIdx.x] = ok ? a.lse[idx] * kLog2e : 0.f;
-      sD[stage * kQT + threadIdx.x] = ok ? a.delta[idx] : 0.f;
+      cp_async4(smem_addr(sL + stage * kQT + threadIdx.x), a.lse + idx, ok);
+      cp_async4(smem_addr(sD + stage * kQT + threadIdx.x), a.delta + idx, ok);
     }
   };
 
@@ -155,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
-        float p = exp2f(fmaf(s[4 * j + e], sl2, -cL[c]));
+        float p = exp2f(fmaf(s[4 * j + e], sl2, -cL[c] * kLog2e));
         if (msk) {
           const int qrow = q0 + c;
           const int krow = krow_a + (e >> 1) * 8;
@@ -201,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
       wgmma_rs_tb<D, T>(dk, da[kk], b, 1);
     }
     // warpgroup wg computes dQ[:, 64 wg : 64 wg + 64] (for D = 64 only warpgroup 0 works)
-    const bool dq_here = kAtomicDQ && wg < D / 64;
+    const bool dq_here = kAtomicDQ && (D == 128 || wg == 0);  // compile-time true for D = 128
     if (dq_here) {
 #pragma unroll
       for (int kk = 0; kk < kKV / 16; ++kk) {

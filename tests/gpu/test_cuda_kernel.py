@@ -179,9 +179,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS)
+@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS + ("sm90-atomic-dq",))
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_against_float64_and_replicated_sdpa(case, impl):
+def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
+    if impl == "sm90-atomic-dq":  # opt-in fast backward: dQ by fp32 atomics in the dK/dV kernel
+        monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "1")
+        impl = "sm90"
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     t = seg.num_tokens
