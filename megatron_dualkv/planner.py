@@ -1,0 +1,767 @@
+"""Memory and step-time planner for GRPO policy updates, DualKV or replicated, on Megatron-Core.
+
+    shape = ModelShape.preset("30b-a3b")
+    par = Parallel(tp=1, ep=8, dp=16)
+    work = Workload(n=32, p=8192, r=2048, groups_per_step=16, dualkv=True, responses_per_micro_batch=8)
+    plan = make_plan(shape, par, work, recompute="full")
+    plan.memory_gib()["total"], plan.fits, plan.step_time_s, plan.mfu
+
+    sweep(shape, world=16, n=32, p=8192, r=2048)   # every layout that fits, fastest first
+
+What it models (docs/PLANNER.md gives every formula and the assumptions behind each number):
+- per-GPU memory: bf16 weights, fp32 main gradients, fp32 Adam master/m/v (sharded over the data
+  parallel group by the distributed optimizer), activations saved for backward per layer and
+  token (Megatron's local/TE layers, flash-style attention: no T x T scores, only the LSE),
+  the logits [rows, vocab/TP] in fp32 (DualKV: loss edges only; stock: every token), MoE
+  dispatch buffers, a fixed reserve (CUDA context, NCCL, fragmentation);
+- per-step FLOPs: 3x forward for matmuls (MoE: router + top-k experts only), 3.5x forward for
+  attention over the attended (query, key) pairs of megatron_dualkv.flops, the output layer on
+  the rows whose logits are computed; plus the recomputed forward under recomputation;
+- time: FLOPs at stated achieved rates (matmul, expert GEMM, attention per implementation) plus
+  TP / CP / EP / DP communication at stated bandwidths, nothing overlapped (an upper bound);
+- MFU: deduplicated useful FLOPs (what DualKV computes, without recomputation) / (time x peak x GPUs),
+  the convention of megatron_dualkv.training.throughput.
+Checked on CPU against a tiny Megatron model (tests/test_planner.py); not yet against GPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from .flops import FWD_BWD_FACTOR, group_pairs
+
+GIB = 1024 ** 3
+RECOMPUTE = ("none", "selective", "full")
+
+
+# ------------------------------------------------------------------------------------------------
+# Model shape and parameter counts
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen3-style decoder (RMSNorm, optional qk-norm, SwiGLU, no biases, RoPE, untied output)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 1
+    qk_layernorm: bool = True
+    untied_embeddings: bool = True
+    name: str = "custom"
+
+    def __post_init__(self):
+        for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "vocab_size"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelShape.{f} must be >= 1, got {getattr(self, f)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_query_groups {self.num_query_groups}")
+        if self.num_moe_experts:
+            if not self.moe_ffn_hidden_size:
+                raise ValueError("an MoE shape needs moe_ffn_hidden_size")
+            if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+                raise ValueError(f"moe_router_topk must be in [1, {self.num_moe_experts}], got {self.moe_router_topk}")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    @staticmethod
+    def preset(size: str, **overrides) -> "ModelShape":
+        """The shape of megatron_dualkv.megatron.qwen3_config(size, **overrides)."""
+        from .megatron.config import qwen3_config
+
+        cfg = qwen3_config(size, **overrides)
+        return ModelShape.of(cfg.transformer, cfg.vocab_size, untied=not cfg.share_embeddings_and_output_weights,
+                             name=size)
+
+    @staticmethod
+    def of(transformer_config, vocab_size: int, untied: bool = True, name: str = "custom") -> "ModelShape":
+        c = transformer_config
+        if not c.gated_linear_unit:
+            raise ValueError("the planner models SwiGLU (gated) MLPs only")
+        if getattr(c, "moe_shared_expert_intermediate_size", None):
+            raise ValueError("shared experts are not modelled")
+        return ModelShape(
+            num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+            num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups or c.num_attention_heads,
+            kv_channels=c.kv_channels or c.hidden_size // c.num_attention_heads, vocab_size=vocab_size,
+            num_moe_experts=c.num_moe_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
+            moe_router_topk=c.moe_router_topk or 1 if c.num_moe_experts else 1,
+            qk_layernorm=bool(c.qk_layernorm), untied_embeddings=untied, name=name,
+        )
+
+    def flops_shape(self):
+        """The same shape as megatron_dualkv.training.throughput.ModelShape (the script's MFU)."""
+        from .training.throughput import ModelShape as ThroughputShape
+
+        return ThroughputShape(
+            num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
+            num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels, vocab_size=self.vocab_size, gated_linear_unit=True,
+            num_moe_experts=self.num_moe_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_topk=self.moe_router_topk,
+        )
+
+    # -- parameters --------------------------------------------------------------------------
+    def _qkv_out(self) -> int:
+        return self.kv_channels * (self.num_attention_heads + 2 * self.num_query_groups)
+
+    def param_counts(self) -> dict:
+        """Whole-model parameter counts by how they are sharded:
+        tp: split over TP (QKV, output projection, dense MLP); vocab: split over TP (embedding,
+        output layer); replicated: on every rank (norms, router); expert: split over EP x ETP."""
+        h, L = self.hidden_size, self.num_layers
+        attn_tp = h * self._qkv_out() + self.num_attention_heads * self.kv_channels * h
+        rep = h + (2 * self.kv_channels if self.qk_layernorm else 0) + h  # input norm, qk norms, pre-MLP norm
+        if self.is_moe:
+            mlp_tp, expert = 0, self.num_moe_experts * 3 * h * self.moe_ffn_hidden_size
+            rep += self.num_moe_experts * h  # router
+        else:
+            mlp_tp, expert = 3 * h * self.ffn_hidden_size, 0
+        vocab = self.vocab_size * h * (2 if self.untied_embeddings else 1)
+        return {"tp": L * (attn_tp + mlp_tp), "vocab": vocab, "replicated": L * rep + h, "expert": L * expert}
+
+    def total_params(self) -> int:
+        return sum(self.param_counts().values())
+
+    def active_params_per_token(self) -> int:
+        """Weights a token is multiplied by in the decoder layers (MoE: router + top-k experts)."""
+        h = self.hidden_size
+        attn = h * self._qkv_out() + self.num_attention_heads * self.kv_channels * h
+        if self.is_moe:
+            mlp = self.num_moe_experts * h + self.moe_router_topk * 3 * h * self.moe_ffn_hidden_size
+        else:
+            mlp = 3 * h * self.ffn_hidden_size
+        return self.num_layers * (attn + mlp)
+
+
+# ------------------------------------------------------------------------------------------------
+# Parallel layout
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Parallel:
+    """Megatron degrees (PP = 1). world = tp * cp * dp; experts: ep * etp * expert_dp = world."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sp: Optional[bool] = None  # sequence parallelism; None: on when tp > 1
+    pp: int = 1
+    distributed_optimizer: bool = True
+    cp_comm: str = "all_gather"  # DualKV CP: K/V all-gathered over the CP group ('a2a': Ulysses)
+
+    def __post_init__(self):
+        for f in ("tp", "cp", "dp", "ep", "etp", "pp"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"Parallel.{f} must be >= 1, got {getattr(self, f)}")
+        if self.pp != 1:
+            raise ValueError("pipeline parallelism is not modelled: the training script refuses PP > 1 "
+                             "(packed micro-batches have variable shapes)")
+        if self.world % (self.ep * self.etp):
+            raise ValueError(f"ep * etp = {self.ep * self.etp} must divide the world size {self.world} "
+                             f"(tp {self.tp} x cp {self.cp} x dp {self.dp})")
+        if self.cp_comm not in ("all_gather", "a2a"):
+            raise ValueError(f"cp_comm must be 'all_gather' or 'a2a', got {self.cp_comm!r}")
+        if self.sp is None:
+            object.__setattr__(self, "sp", self.tp > 1)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world // (self.ep * self.etp)
+
+    def check(self, shape: ModelShape) -> None:
+        """Raise ValueError when Megatron would refuse this layout for the shape."""
+        if shape.num_attention_heads % self.tp or shape.num_query_groups % self.tp:
+            raise ValueError(f"tp {self.tp} must divide the attention heads ({shape.num_attention_heads}) and the "
+                             f"query groups ({shape.num_query_groups})")
+        if shape.vocab_size % self.tp:
+            raise ValueError(f"tp {self.tp} must divide the vocabulary ({shape.vocab_size}) (Megatron pads it otherwise)")
+        if shape.is_moe:
+            if shape.num_moe_experts % self.ep:
+                raise ValueError(f"ep {self.ep} must divide the experts ({shape.num_moe_experts})")
+            if shape.moe_ffn_hidden_size % self.etp:
+                raise ValueError(f"etp {self.etp} must divide moe_ffn_hidden_size ({shape.moe_ffn_hidden_size})")
+            if self.tp > 1 and not self.sp:
+                raise ValueError("Megatron requires sequence parallelism for MoE with tp > 1")
+        elif self.ep != 1 or self.etp != 1:
+            raise ValueError("a dense model has no experts: ep and etp must be 1")
+        if self.cp_comm == "a2a" and self.cp > 1:
+            if (shape.num_attention_heads // self.tp) % self.cp or (shape.num_query_groups // self.tp) % self.cp:
+                raise ValueError(f"cp_comm 'a2a' splits heads: cp {self.cp} must divide the heads per TP rank")
+
+    def label(self) -> str:
+        s = f"TP{self.tp}{'+SP' if self.sp and self.tp > 1 else ''} CP{self.cp} DP{self.dp}"
+        if self.ep > 1 or self.etp > 1:
+            s += f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp > 1 else "") + f" EDP{self.expert_dp}"
+        return s
+
+
+# ------------------------------------------------------------------------------------------------
+# How the layers run, the machine, and the work of a step
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Implementation:
+    """Which kernels the layers use; each choice changes what is saved for backward.
+
+    norm: 'fused' (TE, or torch's fused CUDA rms_norm: saves the bf16 input and a fp32 rstd) or
+      'composite' (torch's decomposed CPU path: fp32 copy of the input, fp32 normalised, rstd).
+    rope: 'unfused' (Megatron's local path: cos/sin tables built per call and saved) or 'fused' (TE).
+    swiglu: 'fused' (Megatron's bias_swiglu, on with --swiglu in the training script: saves the fc1
+      output only) or 'unfused' (chunk, silu, x + 0 offset, products: what qwen3_config gives).
+    attention_copies_v: the attention kernel saves its own copy of V (Flex pads q, k, v to 128
+      rows) rather than a view into the fused QKV output.
+    with_entropy: the DualKV logprobs also keep the fp32 logits for the entropy.
+    """
+
+    norm: str = "fused"
+    rope: str = "unfused"
+    swiglu: str = "fused"
+    attention_copies_v: bool = True
+    with_entropy: bool = False
+
+    def __post_init__(self):
+        for f, ok in (("norm", ("fused", "composite")), ("rope", ("unfused", "fused")), ("swiglu", ("fused", "unfused"))):
+            if getattr(self, f) not in ok:
+                raise ValueError(f"Implementation.{f} must be one of {ok}, got {getattr(self, f)!r}")
+
+
+# The CPU measurement of tests/test_planner.py runs exactly this (torch's CPU norm, qwen3_config's MLP).
+CPU_LOCAL = Implementation(norm="composite", rope="unfused", swiglu="unfused", attention_copies_v=False)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU capacities and the achieved rates the time estimate assumes (docs/PLANNER.md)."""
+
+    name: str = "H100 80GB"
+    memory_gib: float = 79.1  # what torch sees on an H100 80GB HBM3
+    reserve_gib: float = 3.0  # CUDA context, NCCL buffers, allocator fragmentation (assumed)
+    peak_tflops: float = 989.0  # bf16 dense peak (MFU denominator; training.throughput's value)
+    matmul_tflops: float = 600.0  # achieved on the dense projections and MLP (assumed)
+    expert_tflops: float = 450.0  # achieved on per-expert GEMMs of a few thousand rows (assumed)
+    # attention, useful TF/s (deduplicated FLOPs for DualKV, raw replicated FLOPs for stock), docs/PERF.md
+    dualkv_attn_fwd_tflops: float = 410.0  # Flex-Triton dynamic, fwd: 402-422 measured
+    dualkv_attn_tflops: float = 340.0  # Flex-Triton dynamic, fwd+bwd: 316-361 measured
+    stock_attn_fwd_tflops: float = 600.0  # cuDNN, fwd (DESIGN.md: 576-628)
+    stock_attn_tflops: float = 520.0  # cuDNN raw fwd+bwd: 493-552 measured
+    gpus_per_node: int = 8
+    nvlink_gbps: float = 350.0  # achieved all-gather / reduce-scatter bus bandwidth inside a node, GB/s
+    nvlink_a2a_gbps: float = 200.0  # achieved all-to-all bandwidth per GPU inside a node, GB/s
+    ib_gbps: float = 40.0  # achieved inter-node bandwidth per GPU (one 400 Gb/s NIC per GPU), GB/s
+    hbm_gbps: float = 3000.0  # optimizer step (memory bound)
+
+
+H100 = Hardware()
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One packed micro-batch as a layer sees it (whole micro-batch, before CP splitting)."""
+
+    tokens: int  # rows every per-token op processes
+    attention_pairs: int  # (query, key) pairs per layer
+    logit_rows: int  # rows whose vocabulary logits are computed
+    loss_edges: int
+    responses: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step: `groups_per_step` groups of N responses of R tokens on a P-token prompt.
+
+    Micro-batch content, DualKV: whole groups (`groups_per_micro_batch` of them), or sub-groups of
+    `responses_per_micro_batch` responses that each carry the prompt (the packer's split), or the
+    largest that fits `max_tokens`. Stock (replicated): `responses_per_micro_batch` [prompt|response]
+    sequences per micro-batch (default: one group's N), or as many as fit `max_tokens`.
+    """
+
+    n: int
+    p: int
+    r: int
+    groups_per_step: int = 16
+    dualkv: bool = True
+    responses_per_micro_batch: Optional[int] = None
+    groups_per_micro_batch: int = 1
+    max_tokens: Optional[int] = None
+
+    def __post_init__(self):
+        for f in ("n", "p", "r", "groups_per_step", "groups_per_micro_batch"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"Workload.{f} must be >= 1, got {getattr(self, f)}")
+        if self.responses_per_micro_batch is not None and not 1 <= self.responses_per_micro_batch:
+            raise ValueError(f"responses_per_micro_batch must be >= 1, got {self.responses_per_micro_batch}")
+        if self.responses_per_micro_batch is not None and self.groups_per_micro_batch > 1:
+            raise ValueError("give responses_per_micro_batch (split groups) or groups_per_micro_batch, not both")
+
+    def label(self) -> str:
+        return f"N={self.n} P={self.p} R={self.r} x{self.groups_per_step} groups, {'DualKV' if self.dualkv else 'stock'}"
+
+    # -- the step's micro-batches -------------------------------------------------------------
+    def micro_batches(self) -> list[MicroBatch]:
+        return self._dualkv_micro_batches() if self.dualkv else self._stock_micro_batches()
+
+    def _dualkv_micro_batches(self) -> list[MicroBatch]:
+        n, p, r, G = self.n, self.p, self.r, self.groups_per_step
+        group_tokens = p + n * r
+        per_mb, groups_per_mb = self.responses_per_micro_batch, self.groups_per_micro_batch
+        if per_mb is None and self.max_tokens is not None:
+            if group_tokens <= self.max_tokens:
+                groups_per_mb = max(1, self.max_tokens // group_tokens)
+            else:
+                per_mb = (self.max_tokens - p) // r
+                if per_mb < 1:
+                    raise ValueError(f"max_tokens {self.max_tokens} cannot hold the prompt ({p}) and one response ({r})")
+        if per_mb is not None and per_mb < n:
+            parts = math.ceil(n / per_mb)
+            sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]  # the packer's even split
+            out = []
+            for s in sizes:
+                pairs, _ = group_pairs(p, [r] * s)
+                out.append(MicroBatch(p + s * r, pairs, s * r, s * r, s, f"sub-group {s}/{n}"))
+            return out * G
+        pairs, _ = group_pairs(p, [r] * n)
+        out, left = [], G
+        while left:
+            g = min(groups_per_mb, left)
+            out.append(MicroBatch(g * group_tokens, g * pairs, g * n * r, g * n * r, g * n, f"{g} group(s)"))
+            left -= g
+        return out
+
+    def _stock_micro_batches(self) -> list[MicroBatch]:
+        n, p, r = self.n, self.p, self.r
+        seq = p + r
+        m = self.responses_per_micro_batch or n * self.groups_per_micro_batch
+        if self.responses_per_micro_batch is None and self.max_tokens is not None:
+            m = self.max_tokens // seq
+            if m < 1:
+                raise ValueError(f"max_tokens {self.max_tokens} cannot hold one sequence of P + R = {seq} tokens")
+        _, pairs_one = group_pairs(p, [r])
+        total, out = n * self.groups_per_step, []
+        while total:
+            k = min(m, total)
+            out.append(MicroBatch(k * seq, k * pairs_one, k * seq, k * r, k, f"{k} sequence(s)"))
+            total -= k
+        return out
+
+    def useful_totals(self) -> tuple[int, int, int]:
+        """(tokens, attention pairs, loss edges) of the deduplicated step: one prompt per group."""
+        pairs, _ = group_pairs(self.p, [self.r] * self.n)
+        G = self.groups_per_step
+        return G * (self.p + self.n * self.r), G * pairs, G * self.n * self.r
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations: bytes saved for backward per token and layer
+# ------------------------------------------------------------------------------------------------
+
+def layer_activation_terms(shape: ModelShape, impl: Implementation) -> dict:
+    """Bytes saved for backward per token of one layer, by term, before any sharding.
+
+    Each term says where it comes from; `sharded_by_tp` lists the terms divided by TP without
+    sequence parallelism (the others are per-token values every TP rank holds unless SP shards the
+    sequence). MoE expert terms are per (token, expert) pair and multiplied by top-k here.
+    """
+    h, d = shape.hidden_size, shape.kv_channels
+    hq, hkv = shape.num_attention_heads, shape.num_query_groups
+    norm_h = (8 * h + 4) if impl.norm == "composite" else (2 * h + 4)
+
+    def qk_norm(heads: int, input_is_view: bool) -> int:
+        if not shape.qk_layernorm:
+            return 0
+        if impl.norm == "composite":
+            return 8 * heads * d + 4 * heads
+        return (0 if input_is_view else 2 * heads * d) + 4 * heads
+
+    t = {
+        # attention block
+        "input_norm": norm_h,  # the layer input (or its fp32 copy), rstd
+        "qkv_input": 2 * h,  # normalised bf16 input of linear_qkv
+        "qkv_output": 2 * (hq + 2 * hkv) * d,  # fused QKV output: K and V stay views of it
+        "q_norm": qk_norm(hq, input_is_view=False),  # Megatron reshapes Q into a copy
+        "k_norm": qk_norm(hkv, input_is_view=True),
+        "rope_tables": 8 * d if impl.rope == "unfused" else 0,  # cos, sin (bf16) for q and for k
+        "attn_qkv": 2 * (hq + hkv + (hkv if impl.attention_copies_v else 0)) * d,  # rotated q, k (+ v copy)
+        "attn_out_lse": 2 * hq * d + 4 * hq,  # output (also linear_proj's input) and fp32 LSE
+        "mlp_norm": norm_h,
+    }
+    if shape.is_moe:
+        f, k, E = shape.moe_ffn_hidden_size, shape.moe_router_topk, shape.num_moe_experts
+        t["router"] = 2 * h + 4 * E + 44 * k + 5  # input, fp32 scores, top-k probs/indices, permutation maps
+        t["expert_input"] = k * (2 * h + 2)  # dispatched tokens (bf16) and their routing prob
+        t["expert_mlp"] = k * (6 * f if impl.swiglu == "fused" else 12 * f)  # fc1 out, (silu, x+0, prod,) fc2 in
+    else:
+        f = shape.ffn_hidden_size
+        t["fc1_input"] = 2 * h
+        t["mlp"] = 6 * f if impl.swiglu == "fused" else 10 * f  # fc1 out 4f, (silu 2f, x+0 2f,) fc2 in 2f
+    if shape.is_moe:
+        t["fc1_input"] = 0
+    return t
+
+
+_SEQUENCE_TERMS = ("input_norm", "qkv_input", "mlp_norm", "fc1_input", "router", "expert_input")
+
+
+def layer_bytes_per_token(shape: ModelShape, impl: Implementation, par: Parallel) -> float:
+    """Saved bytes per micro-batch token of one layer on one GPU (before the CP split), none recomputed."""
+    t = layer_activation_terms(shape, impl)
+    tp = par.tp
+    total = 0.0
+    for name, v in t.items():
+        if name in ("router", "expert_input", "expert_mlp"):
+            # tokens are SP-sharded before routing; with etp > 1 every ETP rank holds the pair's input
+            scale = par.etp if name == "expert_input" else 1
+            total += v * scale / tp
+        elif name in _SEQUENCE_TERMS:
+            total += v / tp if par.sp else v
+        else:
+            total += v / tp
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    parallel: Parallel
+    workload: Workload
+    recompute: str
+    impl: Implementation
+    hw: Hardware
+    memory: dict = field(default_factory=dict)  # bytes per GPU by item (peak)
+    flops: dict = field(default_factory=dict)  # per step, whole job
+    time: dict = field(default_factory=dict)  # seconds per step by item (slowest DP rank)
+    largest: Optional[MicroBatch] = None
+    micro_batches_per_rank: int = 0
+    notes: list = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> float:
+        return self.memory["total"]
+
+    def memory_gib(self) -> dict:
+        return {k: v / GIB for k, v in self.memory.items()}
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] + self.hw.reserve_gib * GIB <= self.hw.memory_gib * GIB
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time["step"]
+
+    @property
+    def mfu(self) -> float:
+        return self.flops["useful"] / (self.step_time_s * self.hw.peak_tflops * 1e12 * self.parallel.world)
+
+    @property
+    def useful_tokens_per_s(self) -> float:
+        return self.workload.useful_totals()[0] / self.step_time_s
+
+
+def make_plan(shape: ModelShape, par: Parallel, work: Workload, recompute: str = "none",
+              impl: Implementation = Implementation(), hw: Hardware = H100) -> Plan:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    par.check(shape)
+    plan = Plan(shape, par, work, recompute, impl, hw)
+    mbs = work.micro_batches()
+    largest = max(mbs, key=lambda m: (m.tokens, m.logit_rows))
+    plan.largest = largest
+    plan.memory = _memory(shape, par, work, recompute, impl, largest)
+    _flops_and_time(plan, mbs)
+    if par.cp > 1:
+        plan.notes.append("CP > 1: the DualKV model supports it; examples/pretrain_grpo_dualkv.py refuses it for now"
+                          if work.dualkv else "CP > 1 on the stock path needs Transformer Engine's attention")
+    return plan
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+def static_bytes(shape: ModelShape, par: Parallel) -> dict:
+    """Weights (bf16), main gradients (fp32) and Adam state (fp32 master, m, v) per GPU."""
+    c = shape.param_counts()
+    dense = c["tp"] / par.tp + c["vocab"] / par.tp + c["replicated"]
+    expert = c["expert"] / (par.ep * par.etp)
+    if par.distributed_optimizer:
+        opt = 12 * (dense / (par.dp * par.cp) + expert / par.expert_dp)
+    else:
+        opt = 12 * (dense + expert)
+    return {"weights": 2 * (dense + expert), "grads": 4 * (dense + expert), "optimizer": opt,
+            "params_local": dense + expert}
+
+
+def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, impl: Implementation,
+            mb: MicroBatch) -> dict:
+    st = static_bytes(shape, par)
+    h, L, tp, cp = shape.hidden_size, shape.num_layers, par.tp, par.cp
+    tokens = mb.tokens / cp  # this rank's rows
+    per_layer = layer_bytes_per_token(shape, impl, par) * tokens
+    terms = layer_activation_terms(shape, impl)
+    if par.cp > 1 and par.cp_comm == "all_gather":
+        # the attention keeps the all-gathered K and V of the whole micro-batch, not the local ones
+        kv_d = shape.num_query_groups * shape.kv_channels
+        per_layer -= 2 * kv_d * (2 if impl.attention_copies_v else 1) / tp * tokens
+        per_layer += 4 * kv_d / tp * mb.tokens
+    layer_input = (2 * h / (tp if par.sp else 1)) * tokens  # what full recomputation keeps per layer
+    if recompute == "full":
+        stored_layers = L * layer_input
+        workspace = 2 * per_layer  # the recomputed layer's activations and their gradients
+    else:
+        saved = per_layer
+        if recompute == "selective":  # core attention recomputed: its inputs are kept, output and LSE not
+            saved -= (4 * shape.num_attention_heads / tp) * tokens
+        stored_layers = L * saved
+        workspace = per_layer  # gradients of one layer's activations during its backward
+    if shape.is_moe:
+        # permuted tokens before and after the all-to-all exist at once during dispatch
+        workspace += 2 * shape.moe_router_topk * 2 * h * par.etp * tokens / tp
+
+    # embedding ids, final norm, output layer input, logits
+    final_norm = terms["input_norm"] / (tp if par.sp else 1) * tokens
+    ids = 8 * tokens
+    rows = mb.logit_rows / cp
+    vocab_local = shape.vocab_size / tp
+    if work.dualkv:
+        gathered = (2 * h + 17) * rows  # gathered edge rows (bf16), targets, indices, mask
+        held = (8 if impl.with_entropy else 4) * rows * vocab_local  # fp32 softmax (+ fp32 logits)
+        peak_logits = 12 * rows * vocab_local  # fp32 logits, exp temporary, softmax at once
+    else:
+        gathered = 2 * h * rows / (tp if par.sp else 1)  # output layer input
+        held = 4 * rows * vocab_local  # Megatron's cross entropy keeps fp32 exp-logits of every row
+        peak_logits = 6 * rows * vocab_local  # + the bf16 logits while they are cast
+    other = final_norm + ids + gathered
+    activations = stored_layers + other + held
+    transient = max(peak_logits - held, workspace)
+    return {
+        "weights": st["weights"], "grads": st["grads"], "optimizer": st["optimizer"],
+        "activations": stored_layers + other, "logits": held, "transient": transient,
+        "total": st["weights"] + st["grads"] + st["optimizer"] + activations + transient,
+    }
+
+
+# -- FLOPs and time --------------------------------------------------------------------------
+
+def _per_token_fwd_flops(shape: ModelShape) -> tuple[float, float]:
+    """(dense, expert) forward matmul FLOPs of one token through all layers (no attention, no logits)."""
+    h, L = shape.hidden_size, shape.num_layers
+    attn = 2 * (h * shape._qkv_out() + shape.num_attention_heads * shape.kv_channels * h)
+    if shape.is_moe:
+        dense = attn + 2 * h * shape.num_moe_experts
+        expert = shape.moe_router_topk * 2 * 3 * h * shape.moe_ffn_hidden_size
+    else:
+        dense, expert = attn + 2 * 3 * h * shape.ffn_hidden_size, 0
+    return float(L * dense), float(L * expert)
+
+
+def _attn_fwd_flops(shape: ModelShape, pairs: int) -> float:
+    return 4.0 * shape.num_attention_heads * shape.kv_channels * pairs * shape.num_layers
+
+
+def micro_batch_flops(shape: ModelShape, mb: MicroBatch, recompute: str = "none") -> dict:
+    """Executed FLOPs of one micro-batch (whole model, all GPUs), by item."""
+    dense_tok, expert_tok = _per_token_fwd_flops(shape)
+    attn_fwd = _attn_fwd_flops(shape, mb.attention_pairs)
+    extra_fwd = 1 if recompute == "full" else 0
+    return {
+        "dense": (3 + extra_fwd) * dense_tok * mb.tokens,
+        "expert": (3 + extra_fwd) * expert_tok * mb.tokens,
+        "logits": 3 * 2.0 * shape.hidden_size * shape.vocab_size * mb.logit_rows,
+        "attention": (FWD_BWD_FACTOR + (1 if recompute in ("full", "selective") else 0)) * attn_fwd,
+    }
+
+
+def _bw(hw: Hardware, spans_nodes: bool, a2a: bool = False) -> float:
+    if spans_nodes:
+        return hw.ib_gbps * 1e9
+    return (hw.nvlink_a2a_gbps if a2a else hw.nvlink_gbps) * 1e9
+
+
+def micro_batch_time(plan: Plan, mb: MicroBatch) -> dict:
+    """Seconds one GPU spends on one micro-batch, by item (compute and communication, not overlapped)."""
+    shape, par, hw, rc = plan.shape, plan.parallel, plan.hw, plan.recompute
+    f = micro_batch_flops(shape, mb, rc)
+    split = par.tp * par.cp
+    dense_tok, expert_tok = _per_token_fwd_flops(shape)
+    attn_fwd = _attn_fwd_flops(shape, mb.attention_pairs)
+    dual = plan.workload.dualkv
+    attn_rate = (hw.dualkv_attn_tflops if dual else hw.stock_attn_tflops) * 1e12
+    attn_fwd_rate = (hw.dualkv_attn_fwd_tflops if dual else hw.stock_attn_fwd_tflops) * 1e12
+    recompute_attn = attn_fwd if rc in ("full", "selective") else 0.0
+    t = {
+        "dense": f["dense"] / split / (hw.matmul_tflops * 1e12),
+        "expert": f["expert"] / split / (hw.expert_tflops * 1e12),
+        "logits": f["logits"] / split / (hw.matmul_tflops * 1e12),
+        "attention": (FWD_BWD_FACTOR * attn_fwd / attn_rate + recompute_attn / attn_fwd_rate) / split,
+    }
+    h, L, tokens = shape.hidden_size, shape.num_layers, mb.tokens / par.cp
+    extra_fwd = 1 if rc == "full" else 0
+    node = hw.gpus_per_node
+    # TP: all-gather / reduce-scatter of [tokens, h] bf16 (SP), or all-reduces without SP
+    tp_comm = 0.0
+    if par.tp > 1:
+        unit = tokens * h * 2 * (par.tp - 1) / par.tp / _bw(hw, par.tp > node)
+        blocks = L * (1 if shape.is_moe else 2)
+        per_block = (5 + 2 * extra_fwd) if par.sp else (4 + 2 * extra_fwd)
+        tp_comm = unit * (blocks * per_block + 4)  # + embedding and output layer
+    # CP: K/V all-gather forward (again when recomputed), reduce-scatter backward
+    cp_comm = 0.0
+    if par.cp > 1:
+        spans = par.tp * par.cp > node
+        if par.cp_comm == "all_gather":
+            kv = mb.tokens * (par.cp - 1) / par.cp * 2 * shape.num_query_groups * shape.kv_channels / par.tp * 2
+            cp_comm = L * (2 + extra_fwd) * kv / _bw(hw, spans)
+        else:
+            qkvo = tokens * 2 * (2 * shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels / par.tp
+            cp_comm = L * (2 + extra_fwd) * qkvo * (par.cp - 1) / par.cp / _bw(hw, spans, a2a=True)
+    # EP: dispatch and combine all-to-all forward, again backward (and when recomputed)
+    ep_comm = 0.0
+    if shape.is_moe and par.ep > 1:
+        pair_bytes = tokens / par.tp * shape.moe_router_topk * h * 2 * par.etp
+        in_node = min(par.ep, max(1, node // par.etp))
+        per_a2a = pair_bytes * ((in_node - 1) / par.ep / _bw(hw, False, a2a=True)
+                                + (par.ep - in_node) / par.ep / _bw(hw, True))
+        ep_comm = L * (4 + 2 * extra_fwd) * per_a2a
+    t["tp_comm"], t["cp_comm"], t["ep_comm"] = tp_comm, cp_comm, ep_comm
+    t["total"] = sum(t.values())
+    return t
+
+
+def _step_sync_time(plan: Plan) -> dict:
+    """Gradient reduction and the optimizer step, once per step (counted as not overlapped)."""
+    shape, par, hw = plan.shape, plan.parallel, plan.hw
+    c = shape.param_counts()
+    dense = c["tp"] / par.tp + c["vocab"] / par.tp + c["replicated"]
+    expert = c["expert"] / (par.ep * par.etp)
+    per_param = 6 if par.distributed_optimizer else 8  # fp32 reduce-scatter + bf16 all-gather, or fp32 all-reduce
+    world_spans = par.world > hw.gpus_per_node
+    t = 0.0
+    for params, group in ((dense, par.dp * par.cp), (expert, par.expert_dp)):
+        if group > 1 and params:
+            t += params * per_param * (group - 1) / group / _bw(hw, world_spans)
+    shard = dense / (par.dp * par.cp if par.distributed_optimizer else 1)
+    shard += expert / (par.expert_dp if par.distributed_optimizer else 1)
+    optimizer = shard * 40 / (hw.hbm_gbps * 1e9)  # fp32 grad, master, m, v read and written, bf16 param written
+    return {"grad_sync": t, "optimizer": optimizer}
+
+
+def _flops_and_time(plan: Plan, mbs: Sequence[MicroBatch]) -> None:
+    shape, par = plan.shape, plan.parallel
+    executed = {"dense": 0.0, "expert": 0.0, "logits": 0.0, "attention": 0.0}
+    times = []
+    for mb in mbs:
+        for k, v in micro_batch_flops(shape, mb, plan.recompute).items():
+            executed[k] += v
+        times.append(micro_batch_time(plan, mb))
+    # micro-batches to data-parallel ranks, longest first to the least loaded (the packer balances work)
+    loads = [0.0] * par.dp
+    counts = [0] * par.dp
+    per_rank = [dict.fromkeys(times[0], 0.0) for _ in range(par.dp)] if times else []
+    for i in sorted(range(len(times)), key=lambda i: -times[i]["total"]):
+        r = min(range(par.dp), key=lambda j: loads[j])
+        loads[r] += times[i]["total"]
+        counts[r] += 1
+        for k, v in times[i].items():
+            per_rank[r][k] += v
+    slowest = max(range(par.dp), key=lambda j: loads[j])
+    plan.micro_batches_per_rank = max(counts)
+    plan.time = dict(per_rank[slowest]) if per_rank else {}
+    plan.time["compute+comm"] = plan.time.pop("total", 0.0)
+    plan.time.update(_step_sync_time(plan))
+    plan.time["step"] = plan.time["compute+comm"] + plan.time["grad_sync"] + plan.time["optimizer"]
+    tokens, pairs, edges = plan.workload.useful_totals()
+    plan.flops = dict(executed)
+    plan.flops["executed"] = sum(executed.values())
+    plan.flops["useful"] = shape.flops_shape().step_flops(tokens, pairs, edges)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sweep: the layouts that fit, fastest first
+# ------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(shape: ModelShape, world: int, hw: Hardware = H100, max_cp: int = 16,
+            expert_tp: Iterable[int] = (1,)) -> list[Parallel]:
+    """Every Megatron layout of `world` GPUs (PP = 1, SP on with TP) that the shape allows; TP stays
+    inside a node."""
+    out = []
+    for tp in _divisors(world):
+        if tp > hw.gpus_per_node:
+            continue
+        for cp in _divisors(world // tp):
+            if cp > max_cp:
+                continue
+            dp = world // (tp * cp)
+            eps = [d for d in _divisors(world) if shape.is_moe and shape.num_moe_experts % d == 0] or [1]
+            for ep in eps:
+                for etp in (expert_tp if shape.is_moe else (1,)):
+                    try:
+                        par = Parallel(tp=tp, cp=cp, dp=dp, ep=ep, etp=etp)
+                        par.check(shape)
+                    except ValueError:
+                        continue
+                    out.append(par)
+    return out
+
+
+def best_plan(shape: ModelShape, par: Parallel, n: int, p: int, r: int, groups_per_step: int, dualkv: bool,
+              impl: Implementation = Implementation(), hw: Hardware = H100,
+              recompute_options: Sequence[str] = RECOMPUTE) -> Optional[Plan]:
+    """The fastest fitting plan for one layout: for each recomputation, the biggest micro-batch that
+    fits (DualKV: the fewest sub-groups, each repeating the prompt; stock: the most sequences)."""
+    best = None
+    for rc in recompute_options:
+        for parts in range(1, n + 1):
+            per_mb = math.ceil(n / parts)
+            if parts > 1 and math.ceil(n / (parts - 1)) == per_mb:
+                continue  # same split as the previous count
+            work = Workload(n=n, p=p, r=r, groups_per_step=groups_per_step, dualkv=dualkv,
+                            responses_per_micro_batch=per_mb)
+            mb = max(work.micro_batches(), key=lambda m: (m.tokens, m.logit_rows))
+            mem = _memory(shape, par, work, rc, impl, mb)
+            if mem["total"] + hw.reserve_gib * GIB > hw.memory_gib * GIB:
+                continue
+            plan = make_plan(shape, par, work, rc, impl, hw)
+            if best is None or plan.step_time_s < best.step_time_s:
+                best = plan
+            break  # more parts only repeat more prompts (DualKV) or change nothing (stock)
+    return best
+
+
+def sweep(shape: ModelShape, world: int, n: int, p: int, r: int, groups_per_step: int = 16,
+          dualkv_options: Sequence[bool] = (True, False), impl: Implementation = Implementation(),
+          hw: Hardware = H100, max_cp: int = 16, recompute_options: Sequence[str] = RECOMPUTE) -> list[Plan]:
+    """The best fitting plan of every layout, DualKV and stock, fastest step first."""
+    plans = []
+    for par in layouts(shape, world, hw, max_cp=max_cp):
+        for dualkv in dualkv_options:
+            plan = best_plan(shape, par, n, p, r, groups_per_step, dualkv, impl, hw, recompute_options)
+            if plan is not None:
+                plans.append(plan)
+    return sorted(plans, key=lambda pl: pl.step_time_s)
