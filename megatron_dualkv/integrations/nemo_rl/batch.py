@@ -168,7 +168,7 @@ class NemoRLBatch:
         expected[list(self.empty_rows)] = 0
         if bool((seen != expected).any()):
             b = int((seen != expected).nonzero()[0, 0])
-            raise ValueError(f"row {b} was covered {int(seen[b])} times by the micro-batches (expected once)")
+            raise ValueError(f"row {b} was covered {int(seen[b])} times by the micro-batches (expected {int(expected[b])})")
         return out
 
 

@@ -6,8 +6,8 @@ NeMo-RL builds its policy through megatron-bridge before any extension code runs
 extension converts the built model instead of building its own: every self-attention's core
 attention is replaced by DualKVCoreAttention (it has no parameters), every TopKRouter becomes a
 DualKVTopKRouter (same parameters, token-weighted aux losses) and the model's class becomes
-DualKVGPTModel. Parameters, buffers, state_dict keys, DDP buffers and optimizer state are
-untouched. Afterwards the model runs DualKV micro-batches (`model(layout=...)`) only: its
+DualKVGPTModel. Parameters, buffers, DDP buffers and optimizer state are untouched; state_dict keys
+too, except a Transformer Engine core attention's `_extra_state` (FP8 metadata), which goes. Afterwards the model runs DualKV micro-batches (`model(layout=...)`) only: its
 attention needs a layout, so padded [B, S] forwards (e.g. Megatron generation) no longer work.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ...megatron import DualKVCoreAttention, DualKVGPTModel, DualKVTopKRouter
+from .runner import unwrap
 
 
 def to_dualkv_model(model: Any, *, replicate_moe_aux_loss: bool = True,
@@ -25,11 +26,7 @@ def to_dualkv_model(model: Any, *, replicate_moe_aux_loss: bool = True,
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.moe.router import TopKRouter
 
-    inner = model
-    while not isinstance(inner, GPTModel):
-        if not hasattr(inner, "module"):
-            raise TypeError(f"expected a Megatron GPTModel (or a wrapper holding one as .module), got {type(model).__name__}")
-        inner = inner.module
+    inner = unwrap(model)
     if isinstance(inner, DualKVGPTModel):
         return model
     if type(inner) is not GPTModel:

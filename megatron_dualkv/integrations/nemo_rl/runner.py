@@ -60,10 +60,15 @@ class DualKVSettings:
 
 
 def unwrap(model: Any) -> Any:
-    """The innermost module under DDP / Float16Module wrappers (they hold it as `.module`)."""
-    while hasattr(model, "module") and not hasattr(model, "pg_collection"):
-        model = model.module
-    return model
+    """The GPTModel under DDP / Float16Module wrappers (they hold it as `.module`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    inner = model
+    while not isinstance(inner, GPTModel):
+        if not hasattr(inner, "module"):
+            raise TypeError(f"expected a Megatron GPTModel (or a wrapper holding one as .module), got {type(model).__name__}")
+        inner = inner.module
+    return inner
 
 
 def slice_rows(data: Mapping[str, Any], start: int, stop: int, batch_size: int) -> dict[str, Any]:
