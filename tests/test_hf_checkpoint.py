@@ -245,10 +245,14 @@ def test_convert_cli_round_trip(tmp_path):
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     hf_dir = save_hf(make_hf_model(True, norm_topk_prob=False), tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"fake": "tokenizer"}')
     cli.main(["import", hf_dir, str(tmp_path / "mcore.pt")])
     saved = torch.load(tmp_path / "mcore.pt", weights_only=True)
     assert saved["hf_config"]["norm_topk_prob"] is False
-    cli.main(["export", str(tmp_path / "mcore.pt"), str(tmp_path / "back"), "--max-shard-mb", "0.05"])
+    cli.main(["export", str(tmp_path / "mcore.pt"), str(tmp_path / "back"), "--max-shard-mb", "0.05",
+              "--copy-files-from", hf_dir])
+    assert (tmp_path / "back" / "tokenizer.json").read_text() == '{"fake": "tokenizer"}'
+    assert not (tmp_path / "back" / "model.safetensors").exists()  # weights are the export's own shards
     back = {}
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     for fname in sorted(set(index["weight_map"].values())):

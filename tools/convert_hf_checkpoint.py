@@ -4,7 +4,8 @@
     # HF directory (config.json + safetensors) -> full (TP=1, EP=1) Megatron state dict file
     python tools/convert_hf_checkpoint.py import /path/to/Qwen3-8B qwen3-8b.mcore.pt [--dtype bfloat16]
     # Megatron state dict file -> HF directory (config.json + safetensors shards)
-    python tools/convert_hf_checkpoint.py export qwen3-8b.mcore.pt /path/to/out [--dtype bfloat16]
+    python tools/convert_hf_checkpoint.py export qwen3-8b.mcore.pt /path/to/out [--dtype bfloat16] \
+        [--copy-files-from /path/to/Qwen3-8B]      # tokenizer etc. for inference engines
 
 The .pt file holds {"format", "hf_config", "state_dict"}: the parameter names of
 `build_dualkv_model(model_config_from_hf(hf_config))` (local spec), so `model.load_state_dict(sd,
@@ -61,6 +62,7 @@ def _load_megatron_file(path: str, hf_config_path):
 
 def cmd_export(args) -> None:
     from megatron_dualkv.checkpoint import (
+        copy_non_weight_files,
         hf_config_from_model_config,
         megatron_state_dict_to_hf,
         model_config_from_hf,
@@ -73,6 +75,8 @@ def cmd_export(args) -> None:
     dtype = _dtype(args.dtype) or next(iter(tensors.values())).dtype
     files = write_hf_checkpoint(args.out_dir, hf_config_from_model_config(cfg, dtype), tensors.items(),
                                 max_shard_bytes=int(args.max_shard_mb * 2**20))
+    if args.copy_files_from:
+        files += copy_non_weight_files(args.copy_files_from, args.out_dir)
     print(f"wrote {args.out_dir}: {', '.join(files)}")
 
 
@@ -89,6 +93,8 @@ def main(argv=None) -> None:
     exp.add_argument("out_dir")
     exp.add_argument("--hf-config", help="config.json (or HF dir) when the file does not carry one")
     exp.add_argument("--dtype", choices=sorted(DTYPES), help="cast tensors (default: as stored)")
+    exp.add_argument("--copy-files-from", metavar="HF_DIR",
+                     help="copy tokenizer / generation config files from this HF directory")
     exp.add_argument("--max-shard-mb", type=float, default=5 * 1024, help="safetensors shard size (default 5 GiB)")
     exp.set_defaults(run=cmd_export)
     args = parser.parse_args(argv)

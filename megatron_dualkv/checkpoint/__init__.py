@@ -23,11 +23,11 @@ from .hf_qwen3 import (
     save_hf_checkpoint,
 )
 from .qwen3_weights import Qwen3WeightMap, parse_megatron_name, qwen3_megatron_names
-from .safetensors_io import HFTensorSource, write_hf_checkpoint
+from .safetensors_io import HFTensorSource, copy_non_weight_files, write_hf_checkpoint
 from .sharding import Placement, parameter_placements
 
 __all__ = [
-    "HFTensorSource", "Placement", "Qwen3WeightMap", "hf_config_from_model_config", "hf_to_megatron_state_dict",
+    "HFTensorSource", "Placement", "copy_non_weight_files", "Qwen3WeightMap", "hf_config_from_model_config", "hf_to_megatron_state_dict",
     "iter_full_megatron_state", "iter_hf_state", "load_full_state_dict", "load_hf_checkpoint",
     "megatron_state_dict_to_hf", "model_config_from_hf", "moe_layer_pattern", "parameter_placements",
     "parse_megatron_name", "qwen3_megatron_names", "read_hf_config", "save_hf_checkpoint", "write_hf_checkpoint",

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..megatron.config import ModelConfig
 from .hf_config import hf_config_from_model_config, moe_layer_pattern
 from .qwen3_weights import Qwen3WeightMap, qwen3_megatron_names
-from .safetensors_io import HFTensorSource, write_hf_checkpoint
+from .safetensors_io import HFTensorSource, copy_non_weight_files, write_hf_checkpoint
 from .sharding import Placement, gather_experts, gather_full, parameter_placements, take_shard
 
 Source = Union[str, os.PathLike, Mapping[str, Tensor], HFTensorSource]
@@ -131,14 +131,18 @@ def iter_hf_state(model: torch.nn.Module, pg_collection=None, dtype: Optional[to
 
 def save_hf_checkpoint(model: torch.nn.Module, out_dir: Union[str, os.PathLike], model_config: ModelConfig,
                        pg_collection=None, dtype: Optional[torch.dtype] = None,
-                       max_shard_bytes: int = 5 * 2**30) -> None:
+                       max_shard_bytes: int = 5 * 2**30,
+                       copy_files_from: Optional[Union[str, os.PathLike]] = None) -> None:
     """Write a HF checkpoint (config.json + safetensors) of the model; every rank must call it,
-    global rank 0 writes. dtype: of the written tensors (default: the model config's params_dtype)."""
+    global rank 0 writes. dtype: of the written tensors (default: the model config's params_dtype).
+    copy_files_from: a HF directory whose tokenizer / generation config files are copied along."""
     dtype = dtype or model_config.transformer.params_dtype
     tensors = iter_hf_state(model, pg_collection, dtype)
     writer = not dist.is_initialized() or dist.get_rank() == 0
     if writer:
         write_hf_checkpoint(out_dir, hf_config_from_model_config(model_config, dtype), tensors, max_shard_bytes)
+        if copy_files_from is not None:
+            copy_non_weight_files(copy_files_from, out_dir)
     else:
         for _ in tensors:  # take part in the gathers
             pass

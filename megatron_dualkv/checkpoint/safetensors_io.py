@@ -69,6 +69,27 @@ class HFTensorSource:
         return self._handles[fname].get_tensor(name)
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
+def copy_non_weight_files(src_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike]) -> list[str]:
+    """Copy the tokenizer, generation config and other small files of a HF checkpoint directory
+    (everything but weights, weight indexes and config.json) so that inference engines can load
+    the exported directory. Returns the copied names."""
+    import shutil
+
+    os.makedirs(out_dir, exist_ok=True)
+    copied = []
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if (not os.path.isfile(path) or name == "config.json" or name.endswith(_WEIGHT_SUFFIXES)
+                or name.endswith(".index.json")):
+            continue
+        shutil.copy2(path, os.path.join(out_dir, name))
+        copied.append(name)
+    return copied
+
+
 def write_hf_checkpoint(
     out_dir: Union[str, os.PathLike],
     config: dict,
