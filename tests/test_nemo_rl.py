@@ -599,3 +599,30 @@ def test_two_dp_ranks_sum_to_the_single_rank_step(models):
             assert out[r]["metrics"].keys() == full.keys()
             for k, v in full.items():
                 assert out[r]["metrics"][k] == pytest.approx(v, rel=1e-9, abs=1e-14), (token_level, k)
+
+
+def test_runner_through_megatron_ddp_gives_the_bare_model_gradients(models):
+    """NeMo-RL's policy is wrapped in Megatron's DistributedDataParallel: layout= passes through
+    its forward, gradients land in the DDP buffers (main_grad) and equal the bare model's."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    base, _ = models
+    cfg = qwen3_config("tiny", use_cpu_initialization=True, params_dtype=torch.float32, vocab_size=VOCAB)
+    bare, wrapped = (to_dualkv_model(build_replicated_model(cfg, pg_collection=base.pg_collection,
+                                                            use_transformer_engine=False)) for _ in range(2))
+    copy_weights(bare, wrapped)
+    ddp = DistributedDataParallel(cfg.transformer, DistributedDataParallelConfig(use_distributed_optimizer=False),
+                                  wrapped, pg_collection=base.pg_collection)
+    data = build_batch(SAME_N, seed=18)
+    with torch.no_grad():
+        lp = DualKVPolicyRunner(bare, DualKVSettings(max_tokens_per_microbatch=24, num_generations_per_prompt=3),
+                                temperature=TEMPERATURE).get_logprobs(data).double()
+    data = with_logprob_keys(data, lp, seed=19)
+    adapter = ClippedPGAdapter.from_config(dict(ratio_clip_max=0.28, reference_policy_kl_penalty=0.05))
+    settings = DualKVSettings(max_tokens_per_microbatch=24, num_generations_per_prompt=3)
+    want = DualKVPolicyRunner(bare, settings, temperature=TEMPERATURE).train(data, adapter)
+    got = DualKVPolicyRunner(ddp, settings, temperature=TEMPERATURE).train(data, adapter, zero_grad=ddp.zero_grad_buffer)
+    assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
+    grads = dict(bare.named_parameters())
+    for n, p in wrapped.named_parameters():
+        torch.testing.assert_close(p.main_grad, grads[n].grad, rtol=1e-5, atol=1e-7, msg=lambda s: f"{n}: {s}")
