@@ -15,7 +15,6 @@ import json
 import os
 from typing import Iterable, Mapping, Optional, Union
 
-import torch
 from torch import Tensor
 
 SINGLE_FILE = "model.safetensors"
