@@ -36,7 +36,7 @@ class Case:
     ep: int = 1
     sequence_parallel: bool = False
     moe: bool = False
-    router: tuple = ()  # extra MoE router settings, (name, value) pairs, e.g. seq aux loss, z-loss
+    overrides: tuple = ()  # more config settings, (name, value) pairs: router losses, recomputation
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def model_config(case: Case):
 
     return qwen3_config(
         "tiny-moe" if case.moe else "tiny",
-        **dict(case.router),
+        **dict(case.overrides),
         vocab_size=VOCAB, use_cpu_initialization=True, params_dtype=torch.float32,
         tensor_model_parallel_size=case.tp, expert_model_parallel_size=case.ep,
         sequence_parallel=case.sequence_parallel,
@@ -458,19 +458,23 @@ def test_reference_dualkv_step_equals_replicated_step(workers):
 # The Qwen3 default router loss, and the per-sequence variant with a z-loss on top.
 AUX_LOSS = ()
 SEQ_AUX_AND_Z_LOSS = (("moe_router_load_balancing_type", "seq_aux_loss"), ("moe_z_loss_coeff", 1e-3))
+# Activation recomputation of every layer (Megatron's tensor_parallel.checkpoint under TP + SP).
+FULL_RECOMPUTE = (("recompute_granularity", "full"), ("recompute_method", "uniform"), ("recompute_num_layers", 1))
 
 
 @pytest.mark.parametrize(
     "case",
     [Case(tp=2), Case(tp=2, sequence_parallel=True),
-     Case(tp=2, sequence_parallel=True, moe=True, router=AUX_LOSS),
-     Case(tp=2, sequence_parallel=True, moe=True, router=SEQ_AUX_AND_Z_LOSS)],
-    ids=["dense", "dense-sp", "moe-sp", "moe-sp-seqaux-z"],  # Megatron refuses MoE + TP training without SP
+     Case(tp=2, sequence_parallel=True, moe=True, overrides=AUX_LOSS),
+     Case(tp=2, sequence_parallel=True, moe=True, overrides=SEQ_AUX_AND_Z_LOSS),
+     Case(tp=2, sequence_parallel=True, overrides=FULL_RECOMPUTE)],
+    ids=["dense", "dense-sp", "moe-sp", "moe-sp-seqaux-z", "dense-sp-recompute"],  # Megatron refuses MoE + TP training without SP
 )
 def test_tp2_equals_tp1(workers, case):
     """TP=2 (vocabulary, QKV/proj, MLP or expert MLP split; qk-layernorm / sequence-parallel norm
     grads all-reduced by finalize_model_grads) equals TP=1 with the same weights."""
-    mbs = [make_microbatch(seed=10, pad_to_multiple=case.tp)]
+    mbs = [make_microbatch(seed=10, pad_to_multiple=4)]  # 30 tokens + a padding segment of 2
+    assert mbs[0]["layout"].num_tokens > mbs[0]["layout"].num_real_tokens
     ref = reference(workers, case, mbs)
     out = parallel(workers, case, [mbs], ref["initial"])
     for res in out:
@@ -488,6 +492,8 @@ def per_replica_microbatches(pad_to_multiple: int) -> list:
     mbs = [make_microbatch(seed=20, pad_to_multiple=pad_to_multiple),
            make_microbatch(seed=30, pad_to_multiple=pad_to_multiple, num_groups=2)]
     assert mbs[0]["layout"].num_edges != mbs[1]["layout"].num_edges
+    if pad_to_multiple > 1:  # 30 and 23 tokens: both carry a padding segment
+        assert all(mb["layout"].num_tokens > mb["layout"].num_real_tokens for mb in mbs)
     return mbs
 
 
@@ -497,8 +503,8 @@ def test_ep2_equals_ep1(workers, router):
     replicas for the dense parameters, each with its own micro-batch. Reference: EP=1 on one rank
     holding both micro-batches. Router aux loss values and every gradient (experts gathered from
     their owning rank) must match."""
-    case = Case(ep=2, moe=True, router=router)
-    mbs = per_replica_microbatches(1)
+    case = Case(ep=2, moe=True, overrides=router)
+    mbs = per_replica_microbatches(4)
     ref = reference(workers, case, mbs)
     out = parallel(workers, case, [[mbs[0]], [mbs[1]]], ref["initial"])
     for r, res in enumerate(out):
