@@ -15,7 +15,6 @@ import torch
 
 from megatron_cpu import GlooWorkers
 from test_distributed import (
-    LOSS_CONFIG,
     assert_close,
     assert_grads_equal,
     gather_full_grads,
