@@ -445,6 +445,32 @@ def test_moe_model_converted_in_place_matches_the_stock_model(models):
         to_dualkv_model(torch.nn.Linear(2, 2))
 
 
+def test_conversion_keeps_a_core_attentions_extra_state_key(models):
+    """Transformer Engine's core attention has `_extra_state` in the state_dict; NeMo-RL loads the
+    reference weights into the policy with strict=True, so the converted model keeps the key."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class WithExtraState(DotProductAttention):  # what TE's attention adds to the state_dict
+        def get_extra_state(self):
+            return torch.tensor([3.0])
+
+        def set_extra_state(self, state):
+            pass
+
+    base, _ = models
+    cfg = qwen3_config("tiny", use_cpu_initialization=True, params_dtype=F64, vocab_size=VOCAB)
+    model = build_replicated_model(cfg, pg_collection=base.pg_collection, use_transformer_engine=False)
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.__class__ = WithExtraState
+    before = model.state_dict()
+    assert any(k.endswith("core_attention._extra_state") for k in before)
+    to_dualkv_model(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert torch.equal(after["decoder.layers.0.self_attention.core_attention._extra_state"], torch.tensor([3.0]))
+    model.load_state_dict(before, strict=True)
+
+
 # --------------------------------------------------------------------------------------------
 # The worker extension's glue, on a stand-in for the host worker (NeMo-RL is not installable)
 # --------------------------------------------------------------------------------------------
@@ -513,6 +539,11 @@ def test_worker_mixin_trains_and_scores_through_dualkv_and_defers_when_off(model
         torch.testing.assert_close(lp, runner.get_logprobs(data), rtol=0, atol=0)
         out = w.train(data, loss_cfg)
         assert steps == [12] and out["global_loss"].shape == (1,) and out["grad_norm"].shape == (1,)
+        mb = out["all_mb_metrics"]  # NeMo-RL's per-micro-batch lists, this rank's shares
+        assert sum(mb["loss"]) == pytest.approx(out["global_loss"].item(), rel=1e-12)
+        assert len(set(map(len, mb.values()))) == 1 and len(mb["loss"]) > 1
+        assert set(mb["global_valid_toks"]) == {float((data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum())}
+        assert set(mb["grad_norm"]) == {out["grad_norm"].item()}
         for n, p in dualkv.named_parameters():  # one SGD step on the DualKV gradients
             torch.testing.assert_close(p.detach(), saved[n] - 0.5 * grads[n], rtol=1e-12, atol=1e-15)
         assert w.host_calls == []

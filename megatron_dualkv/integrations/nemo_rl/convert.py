@@ -6,8 +6,10 @@ NeMo-RL builds its policy through megatron-bridge before any extension code runs
 extension converts the built model instead of building its own: every self-attention's core
 attention is replaced by DualKVCoreAttention (it has no parameters), every TopKRouter becomes a
 DualKVTopKRouter (same parameters, token-weighted aux losses) and the model's class becomes
-DualKVGPTModel. Parameters, buffers, DDP buffers and optimizer state are untouched; state_dict keys
-too, except a Transformer Engine core attention's `_extra_state` (FP8 metadata), which goes. Afterwards the model runs DualKV micro-batches (`model(layout=...)`) only: its
+DualKVGPTModel. Parameters, buffers, DDP buffers, optimizer state and state_dict keys are untouched:
+a core attention that had extra state (Transformer Engine's `_extra_state`, FP8 metadata) hands it
+to its replacement, which keeps and returns it, so NeMo-RL's strict load_state_dict of the
+reference weights and checkpoints see the same keys. Afterwards the model runs DualKV micro-batches (`model(layout=...)`) only: its
 attention needs a layout, so padded [B, S] forwards (e.g. Megatron generation) no longer work.
 """
 
@@ -17,6 +19,22 @@ from typing import Any, Optional
 
 from ...megatron import DualKVCoreAttention, DualKVGPTModel, DualKVTopKRouter
 from .runner import unwrap
+
+
+class _DualKVCoreAttentionKeepingExtraState(DualKVCoreAttention):
+    """DualKVCoreAttention that carries the replaced module's extra state (it does not use it)."""
+
+    def get_extra_state(self):
+        return self._kept_extra_state
+
+    def set_extra_state(self, state) -> None:
+        self._kept_extra_state = state
+
+
+def _has_extra_state(module) -> bool:
+    import torch
+
+    return type(module).get_extra_state is not torch.nn.Module.get_extra_state
 
 
 def to_dualkv_model(model: Any, *, replicate_moe_aux_loss: bool = True,
@@ -44,11 +62,16 @@ def to_dualkv_model(model: Any, *, replicate_moe_aux_loss: bool = True,
     routers = []
     for m in list(inner.modules()):
         if isinstance(m, SelfAttention):
-            m.core_attention = DualKVCoreAttention(
+            old = m.core_attention
+            keep = _has_extra_state(old)
+            cls = _DualKVCoreAttentionKeepingExtraState if keep else DualKVCoreAttention
+            m.core_attention = cls(
                 config=m.config, layer_number=m.layer_number, attn_mask_type=m.attn_mask_type,
                 attention_type=m.attention_type, softmax_scale=m.config.softmax_scale,
                 pg_collection=m.pg_collection, backend=attention_backend,
             )
+            if keep:
+                m.core_attention.set_extra_state(old.get_extra_state())
         elif isinstance(m, TopKRouter):
             if type(m) is TopKRouter:
                 m.__class__ = DualKVTopKRouter  # adds behaviour only; the one new attribute is set here

@@ -149,9 +149,10 @@ class DualKVPolicyRunner:
         return float(counts[0]), float(counts[1])
 
     def forward_backward(self, data: Mapping[str, Any], adapter: ClippedPGAdapter,
-                         forward_only: bool = False) -> tuple[list[dict[str, float]], list]:
-        """Forward (and backward) over one local global batch through Megatron's schedule;
-        per-micro-batch metrics (NeMo-RL names) and the micro-batches' stats."""
+                         forward_only: bool = False) -> tuple[list[dict[str, float]], list, tuple[float, float]]:
+        """Forward (and backward) over one local global batch through Megatron's schedule:
+        (per-micro-batch metrics (NeMo-RL names, this rank's shares), the micro-batches' stats,
+        (global_valid_toks, global_valid_seqs))."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batch, mbs, indices = self.prepare(data)
@@ -184,7 +185,7 @@ class DualKVPolicyRunner:
             # NeMo-RL counts every row's sample_mask; rows without a response are in no micro-batch
             sm = torch.as_tensor(batch.data["sample_mask"])
             metrics[0]["num_valid_samples"] += float(sm[list(batch.empty_rows)].double().sum())
-        return metrics, [mb.stats for mb in mbs]
+        return metrics, [mb.stats for mb in mbs], (toks, seqs)
 
     def train(self, data: Mapping[str, Any], adapter: ClippedPGAdapter, *, local_batch_size: Optional[int] = None,
               zero_grad: Optional[Callable[[], None]] = None,
@@ -194,29 +195,26 @@ class DualKVPolicyRunner:
 
         zero_grad / optimizer_step: the worker's hooks (e.g. DDP.zero_grad_buffer + optimizer.zero_grad;
         optimizer.step + scheduler.step); optimizer_step may return values to report (grad_norm).
-        Returns {"loss": [steps] global losses, "metrics": per-step reduced metrics (NeMo-RL names,
-        all-reduced over dp_group), "all_mb_metrics": name -> per-micro-batch values, "step_outputs":
-        what optimizer_step returned, "micro_batch_stats": per-step lists of MicroBatchStats}.
+        Returns {"loss": [steps] global losses, "metrics": per-step metrics reduced over micro-batches
+        and all-reduced over dp_group, "mb_metrics": [step][micro-batch] this rank's metric shares,
+        "global_counts": [step] (global_valid_toks, global_valid_seqs), "step_outputs": what
+        optimizer_step returned, "micro_batch_stats": [step] lists of MicroBatchStats}.
         """
         B = _batch_size(data)
         size = B if local_batch_size is None else int(local_batch_size)
         if size < 1 or B % size:
             raise ValueError(f"{B} rows are not a whole number of local batches of {size} rows")
-        losses, step_metrics, step_outputs, stats = [], [], [], []
-        all_mb: dict[str, list[float]] = {}
+        out: dict[str, list] = {k: [] for k in ("metrics", "mb_metrics", "global_counts", "step_outputs",
+                                                 "micro_batch_stats")}
         for start in range(0, B, size):
             chunk = slice_rows(data, start, start + size, B)
             if not eval_mode and zero_grad is not None:
                 zero_grad()
-            mb_metrics, mb_stats = self.forward_backward(chunk, adapter, forward_only=eval_mode)
-            for m in mb_metrics:
-                for k, v in m.items():
-                    all_mb.setdefault(k, []).append(v)
-            reduced = all_reduce_metrics(reduce_metrics(mb_metrics), self.dp_group, device=self._device())
-            step_metrics.append(reduced)
-            losses.append(reduced["loss"])
-            stats.append(mb_stats)
+            mb_metrics, mb_stats, counts = self.forward_backward(chunk, adapter, forward_only=eval_mode)
+            out["metrics"].append(all_reduce_metrics(reduce_metrics(mb_metrics), self.dp_group, device=self._device()))
+            out["mb_metrics"].append(mb_metrics)
+            out["global_counts"].append(counts)
+            out["micro_batch_stats"].append(mb_stats)
             if not eval_mode and optimizer_step is not None:
-                step_outputs.append(optimizer_step())
-        return {"loss": torch.tensor(losses, dtype=torch.float64), "metrics": step_metrics,
-                "all_mb_metrics": all_mb, "step_outputs": step_outputs, "micro_batch_stats": stats}
+                out["step_outputs"].append(optimizer_step())
+        return {"loss": torch.tensor([m["loss"] for m in out["metrics"]], dtype=torch.float64), **out}

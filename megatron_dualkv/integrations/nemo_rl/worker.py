@@ -12,13 +12,17 @@ under NeMo-RL's reference-weights context, so it follows) with `DualKVPolicyRunn
 policy config has `dualkv.enabled: true`; otherwise it defers to NeMo-RL. What it reads from the
 host worker: `self.cfg` (the policy config: `dualkv`, `train_global_batch_size`,
 `generation.temperature`), `self.model`, `self.optimizer` (Megatron optimizer: step() ->
-(ok, grad_norm, num_zeros)), `self.scheduler` (step(increment=...)). This glue is written against
+(ok, grad_norm, num_zeros)), `self.scheduler` (step(increment=gbs) once per train() call; get_lr /
+get_wd when present). The train() result has NeMo-RL's keys: global_loss (per global batch,
+summed over data-parallel ranks), grad_norm, rank, all_mb_metrics (per micro-batch shares / number
+of global batches, with grad_norm, global_valid_toks / seqs, lr, wd). This glue is written against
 NeMo-RL's public code and is not exercised here (NeMo-RL is not installable in this project's CI);
 everything it calls (conversion, runner, loss adapter) is tested without NeMo-RL.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -88,21 +92,47 @@ class DualKVWorkerMixin:
 
         def optimizer_step():
             ok, grad_norm, _ = self.optimizer.step()
-            if ok:
-                self.scheduler.step(increment=gbs)
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             return {"update_successful": ok, "grad_norm": grad_norm}
 
-        self.model.train()
-        out = runner.train(data, adapter, local_batch_size=gbs // dp, zero_grad=zero_grad,
-                           optimizer_step=optimizer_step, eval_mode=eval_mode)
+        if eval_mode:
+            self.model.eval()
+        else:
+            self.model.train()
+        with torch.no_grad() if eval_mode else contextlib.nullcontext():
+            out = runner.train(data, adapter, local_batch_size=gbs // dp, zero_grad=zero_grad,
+                               optimizer_step=optimizer_step, eval_mode=eval_mode)
+        if not eval_mode:
+            self.scheduler.step(increment=gbs)  # once per train() call, as NeMo-RL's worker
         return {
-            "global_loss": out["loss"],
-            "grad_norm": torch.tensor(grad_norms),
+            "global_loss": out["loss"],  # already summed over data-parallel ranks
+            "grad_norm": torch.tensor(grad_norms, dtype=torch.float64),
             "rank": torch.distributed.get_rank(),
-            "all_mb_metrics": out["all_mb_metrics"],
+            "all_mb_metrics": self._nemo_rl_mb_metrics(out, grad_norms),
             "dualkv_micro_batch_stats": out["micro_batch_stats"],
         }
+
+    def _nemo_rl_mb_metrics(self, out: dict, grad_norms: list[float]) -> dict[str, list[float]]:
+        """NeMo-RL's all_mb_metrics: name -> one value per micro-batch of this rank, each metric
+        share divided by the number of global batches, with the step's grad_norm, normalisers and
+        (when the scheduler reports them) lr / wd."""
+        num_steps = len(out["mb_metrics"])
+        extra: dict[str, float] = {}
+        get_lr, get_wd = getattr(self.scheduler, "get_lr", None), getattr(self.scheduler, "get_wd", None)
+        if get_lr is not None and hasattr(self.optimizer, "param_groups"):
+            extra["lr"] = float(get_lr(self.optimizer.param_groups[0]))
+        if get_wd is not None:
+            extra["wd"] = float(get_wd())
+        merged: dict[str, list[float]] = {}
+        for step, (mbs, (toks, seqs)) in enumerate(zip(out["mb_metrics"], out["global_counts"])):
+            for m in mbs:
+                row = {k: v / num_steps for k, v in m.items()}
+                row.update(extra, global_valid_toks=toks, global_valid_seqs=seqs)
+                if step < len(grad_norms):
+                    row["grad_norm"] = grad_norms[step]
+                for k, v in row.items():
+                    merged.setdefault(k, []).append(v)
+        return merged
 
 
 def _batched_data_dict(**tensors):
