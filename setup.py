@@ -32,15 +32,23 @@ def _want_cuda() -> tuple[bool, str]:
 
 
 def _cuda_extensions():
-    """The fused DualKV kernels (csrc/), compiled for Hopper."""
+    """The fused DualKV kernels (csrc/), compiled for Hopper (sm_90a); module megatron_dualkv._C."""
     from torch.utils.cpp_extension import CUDAExtension
 
-    sources = sorted(glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True))
+    files = ["dualkv_ops.cpp", "dualkv_kernels.cu", "dualkv_fwd_sm90.cu", "dualkv_bwd_sm90.cu"]
+    sources = [os.path.join("csrc", f) for f in files]
+    includes = [os.path.abspath("csrc")]
+    try:  # CUDA library headers from the pip CUDA wheels, for toolkits that lack them (cusparse.h)
+        import nvidia
+
+        includes += [p for base in nvidia.__path__ for p in [os.path.join(base, "cu13", "include")] if os.path.isdir(p)]
+    except ImportError:
+        pass
     return [
         CUDAExtension(
             name="megatron_dualkv._C",
             sources=sources,
-            include_dirs=[os.path.abspath("csrc")],
+            include_dirs=includes,
             extra_compile_args={
                 "cxx": ["-O3", "-std=c++17"],
                 "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a"],

@@ -79,14 +79,14 @@ def main():
                 os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "1"
             fb_ms = {}
             for impl in BWD:  # "mma" row: the sm90 deterministic backward
-                os.environ["MEGATRON_DUALKV_ATOMIC_DQ"] = "1" if impl == "sm90" else "0"
+                os.environ["MEGATRON_DUALKV_ATOMIC_DQ"] = "1" if impl == "sm90" else "0"  # fast: atomics
                 def fb():
                     out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl="sm90", bwd_impl="sm90",
                                                  deterministic=(impl == "mma"))
                     out.backward(do)
                 fb()
                 fb_ms[impl] = timed(fb, reps)
-            os.environ["MEGATRON_DUALKV_ATOMIC_DQ"] = "0"
+            os.environ.pop("MEGATRON_DUALKV_ATOMIC_DQ")
             peak = torch.cuda.max_memory_allocated() / 2**30
             fl = 4 * d * hq * pairs(n, p, r)
             nan = float("nan")

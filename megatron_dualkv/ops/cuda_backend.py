@@ -1,17 +1,23 @@
-"""Fused DualKV CUDA attention backend (kernels in csrc/, torch ops `megatron_dualkv::fwd/bwd`).
+"""Fused DualKV CUDA attention backend (kernels in csrc/, torch ops `megatron_dualkv::*`).
 
 Inputs: packed THD tensors q [T, Hq, D], k and v [T, Hkv, D], contiguous, bfloat16 or float16,
 D in {64, 128}, Hq % Hkv == 0 (query head h uses kv head h // (Hq // Hkv)), a `SegmentTable` of
 depth <= 2 (a root segment attends itself causally; a child attends its whole parent plus itself
 causally). Outputs: out [T, Hq, D] in the input dtype and lse [Hq, T] (float32, natural log of the
-softmax denominator, scaled scores).
+softmax denominator of the scaled scores).
 
-Work lists (tiles of 64 query rows per segment; tiles of 64 key rows with the query ranges that
-attend them) are built on the host once per layout and cached on the `SegmentTable`.
+Kernels (sm_90a, Hopper; see docs/PERF.md "CUDA kernel"):
+- forward `fwd_sm90`: wgmma, 128 query rows (2 warpgroups) per CTA, 64-row key tiles, two CTAs
+  per SM; one launch for the whole micro-batch.
+- backward `bwd_sm90`: delta = rowsum(dO * O); dK/dV kernel (wgmma, 128 key rows per CTA, walks
+  every query tile that attends them: its own causal rows and the group's responses); then
+    deterministic=True:  a dQ kernel (wgmma, 128 query rows per CTA): bitwise reproducible;
+    deterministic=False: dQ accumulated in fp32 by the dK/dV kernel with atomics (faster;
+                         workspace fp32 [T, Hq, D]); MEGATRON_DUALKV_ATOMIC_DQ=0 turns it off.
+- `fwd` / `bwd`: the first, mma.sync (sm_80-style) kernels, kept as fwd_impl/bwd_impl="mma".
 
-The backward is three launches (delta = rowsum(dO * O), dK/dV per key tile, dQ per query tile)
-and deterministic in both modes: every output element is accumulated by one thread block in a
-fixed order, with no atomics. `deterministic=False` is accepted and takes the same path.
+Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
+on the host once per layout and cached on the `SegmentTable`; any segment lengths (tails masked).
 """
 
 from __future__ import annotations

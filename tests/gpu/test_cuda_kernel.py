@@ -179,11 +179,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS + ("sm90-atomic-dq",))
+@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS + ("sm90-dq-kernel",))
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
-    if impl == "sm90-atomic-dq":  # opt-in fast backward: dQ by fp32 atomics in the dK/dV kernel
-        monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "1")
+    # "sm90": fast mode, dQ by fp32 atomics in the dK/dV kernel; "sm90-dq-kernel": the dQ kernel
+    # (the deterministic path) with deterministic=False
+    if impl == "sm90-dq-kernel":
+        monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
         impl = "sm90"
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
