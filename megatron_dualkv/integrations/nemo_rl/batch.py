@@ -94,17 +94,16 @@ class NemoRLBatch:
 
     # -- per micro-batch ------------------------------------------------------------------------
     def edge_index(self, mb: MicroBatch) -> EdgeIndex:
-        rows, cols, resp_rows = [], [], []
-        for rec, i in mb.response_source:
-            b = self.rows[rec][i]
-            p, n = self.prompt_lengths[b], self.lengths[b]
-            resp_rows.append(b)
-            rows.extend([b] * (n - p))
-            cols.extend(range(p, n))
-        if len(rows) != mb.layout.num_edges:  # the layout packs exactly these response tokens
-            raise AssertionError(f"micro-batch {mb.index}: {len(rows)} response tokens, layout has {mb.layout.num_edges} edges")
-        long = lambda xs: torch.tensor(xs, dtype=torch.int64)
-        return EdgeIndex(row=long(rows), col=long(cols), response_row=long(resp_rows))
+        resp_rows = torch.tensor([self.rows[rec][i] for rec, i in mb.response_source], dtype=torch.int64)
+        first = torch.tensor(self.prompt_lengths, dtype=torch.int64)[resp_rows]
+        count = torch.tensor(self.lengths, dtype=torch.int64)[resp_rows] - first
+        total = int(count.sum())
+        if total != mb.layout.num_edges:  # the layout packs exactly these response tokens
+            raise AssertionError(f"micro-batch {mb.index}: {total} response tokens, layout has {mb.layout.num_edges} edges")
+        # edge e of response m sits at column first[m] + (e - start of m)
+        starts = torch.cumsum(count, 0) - count
+        col = torch.arange(total) + torch.repeat_interleave(first - starts, count)
+        return EdgeIndex(row=torch.repeat_interleave(resp_rows, count), col=col, response_row=resp_rows)
 
     def edge_values(self, key: str, index: EdgeIndex, device=None) -> Tensor:
         """[E] values of a per-token [B, S] key at the micro-batch's edges."""
