@@ -262,8 +262,9 @@ def make_microbatch(seed: int, spec) -> dict:
     }
 
 
-# Long first prompt (its chunks are costly early, cheap responses later), short second group.
-SPECS = [[(13, [4, 1, 6]), (5, [3, 7])], [(6, [2, 9]), (11, [5, 3, 1])]]
+# Several groups per micro-batch; the third micro-batch leaves one CP rank with prompt rows only
+# (no loss edge to compute: its logprobs are all gathered from the other rank).
+SPECS = [[(13, [4, 1, 6]), (5, [3, 7])], [(6, [2, 9]), (11, [5, 3, 1])], [(48, [1, 1])]]
 
 
 def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, mbs: list, weights, chunk_multiple: int) -> dict:
@@ -357,7 +358,9 @@ def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, overrides: t
     chunk_multiple = 2 * tp
     ref = workers.run(cp_train_step, moe, 1, 1, False, overrides, mbs, None, chunk_multiple, world_size=1)[0]
     out = workers.run(cp_train_step, moe, cp, tp, sp, overrides, mbs, ref["initial"], chunk_multiple, world_size=cp * tp)
-    assert_prompt_rows_split([r for r in out if r["rank"] % tp == 0], mbs)
+    cp_ranks = [r for r in out if r["rank"] % tp == 0]
+    assert_prompt_rows_split(cp_ranks, mbs)
+    assert any(len(r["split"][k][1]) == 0 for r in cp_ranks for k in range(len(mbs))), "no CP rank without edges"
     what = f"CP={cp} TP={tp} sp={sp} moe={moe} {dict(overrides)}"
     for res in out:
         for k in range(len(mbs)):
