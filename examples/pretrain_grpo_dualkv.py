@@ -49,8 +49,10 @@ DEMO_ARGV = [
     "--seed", "1234", "--seq-length", "512",
 ]
 
-# Always set: the data path and the loss convention of our forward_step.
-FIXED_ARGV = ["--dataloader-type", "external", "--calculate-per-token-loss", "--eval-iters", "0"]
+# Always set: the data path and the loss convention of our forward_step (Megatron must divide by
+# the summed counts), and no evaluation (there is no validation set) unless asked for.
+FORCED_ARGV = ["--dataloader-type", "external", "--calculate-per-token-loss"]
+DEFAULT_ARGV = {"--eval-iters": "0", "--eval-interval": "1000000000"}
 
 
 def build_argv(argv: list[str]) -> list[str]:
@@ -64,7 +66,8 @@ def build_argv(argv: list[str]) -> list[str]:
     size = _flag_value(argv, "--model-size")
     vocab = _flag_value(argv, "--vocab-size")
     front = preset_argv(size, int(vocab) if vocab else None) if size else []
-    return front + argv + [a for a in FIXED_ARGV if a not in argv] + _without_te_argv(argv)
+    defaults = [x for flag, value in DEFAULT_ARGV.items() if _flag_value(argv, flag) is None for x in (flag, value)]
+    return front + defaults + argv + FORCED_ARGV + _without_te_argv(argv)
 
 
 def _without_te_argv(argv: list[str]) -> list[str]:
@@ -107,13 +110,31 @@ def parse_megatron_args(argv: list[str], quiet: bool):
     return args
 
 
-def rank0_print(rank: int):
-    return (lambda rec: print(rec.line(), flush=True)) if rank == 0 else None
+def rank0_sink(args, print_line=None):
+    """Rank 0 prints each step's line (and appends its JSON record to --step-log)."""
+    from megatron_dualkv.training.log import step_sink
+
+    if args.rank != 0:
+        return None
+    return step_sink(print_line or (lambda line: print(line, flush=True)), args.step_log)
 
 
 # ------------------------------------------------------------------------------------------------
 # GPU: megatron.training.pretrain()
 # ------------------------------------------------------------------------------------------------
+
+def skip_dataset_helper_build() -> None:
+    """pretrain() runs `make` in megatron/core/datasets (initialize._compile_dependencies) and exits
+    when it fails; the megatron-core wheel ships those helpers compiled (helpers_cpp) but not their
+    Makefile, so it always fails there. Our data path does not use the helpers at all: when the
+    compiled module is present, skip the build."""
+    import importlib.util
+
+    from megatron.core.datasets import utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        utils.compile_helpers = lambda: None
+
 
 def run_pretrain(argv: list[str]) -> int:
     import torch
@@ -130,6 +151,7 @@ def run_pretrain(argv: list[str]) -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    skip_dataset_helper_build()
     args = parse_megatron_args(argv, quiet=False)
     if args.kl_reference == "initial" or args.updates_per_batch != 1:
         raise ValueError("--kl-reference initial and --updates-per-batch > 1 are supported by the CPU runner only; "
@@ -138,19 +160,21 @@ def run_pretrain(argv: list[str]) -> int:
         model_shape_from_args(args),
         dp_group=lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
         world_size=args.world_size, peak_tflops=peak_tflops(args.peak_tflops), dualkv=not args.no_dualkv,
-        sink=rank0_print(args.rank), sync=torch.cuda.synchronize,
+        sink=rank0_sink(args), sync=torch.cuda.synchronize,
     )
     forward_step = PolicyForwardStep(loss_config_from_args(args), dualkv=not args.no_dualkv,
                                      temperature=args.temperature, log=log)
     # A step ends when Megatron's optimizer has stepped: close the log's step there (the hook fires
     # once per inner optimizer; the first closes the step, the others find none open).
-    hook = torch.optim.optimizer.register_optimizer_step_post_hook(lambda *_: log.end_step())
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    hook = register_optimizer_step_post_hook(lambda *_: log.end_step())
     try:
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider)
+        log.close()
     finally:
         hook.remove()
-        log.close()
     return 0
 
 
@@ -234,7 +258,7 @@ def _cpu_job(args, pgs, torch, build_policy_model, model_config_from_args, rollo
                                       shape=shape, updates_per_batch=args.updates_per_batch)
     show = args.rank == 0
     log = StepLog(shape, dp_group=pgs.dp, world_size=args.world_size, peak_tflops=args.peak_tflops,
-                  dualkv=dualkv, sink=(lambda rec: tqdm.write(rec.line())) if show else None)
+                  dualkv=dualkv, sink=rank0_sink(args, tqdm.write))
     forward_step = PolicyForwardStep(loss_config_from_args(args), dualkv=dualkv, temperature=args.temperature,
                                      log=log, reference=reference, old_logprobs=old_cache)
     steps = args.train_iters - start

@@ -16,6 +16,7 @@ Our options (group "dualkv"):
   --no-dualkv                the replicated batch through stock Megatron (A/B baseline)
   --model-size               Qwen3 preset (tiny, tiny-moe, 8b, 30b-a3b): expands to Megatron shape flags
   --peak-tflops              per-device peak for MFU (default: known GPUs, else MFU is not printed)
+  --step-log FILE            the step records as JSON lines (full precision), besides the printed line
 
 A Megatron "sample" is one packed micro-batch: --micro-batch-size must be 1, and
 --global-batch-size / data-parallel size is the most micro-batches a rank may get per step (the
@@ -63,6 +64,7 @@ def add_dualkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model-size", choices=MODEL_SIZES, default=None,
                    help="Qwen3 preset: expands to Megatron's shape flags (flags given after it win)")
     g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak TFLOP/s for MFU")
+    g.add_argument("--step-log", default=None, help="also append every step's record to this file, one JSON object a line")
     g.add_argument("--demo", action="store_true", help="the embedded default job (also what no arguments run)")
     return parser
 

@@ -15,8 +15,9 @@ count only the deduplicated FLOPs (throughput.ModelShape.useful_flops) over ever
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -43,12 +44,28 @@ class StepRecord:
     grad_norm: Optional[float] = None
     totals: Optional[StepTotals] = field(default=None, repr=False)
 
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["totals"] = None if self.totals is None else asdict(self.totals)
+        return json.dumps(d)
+
     def line(self) -> str:
         mfu = f"{100 * self.mfu:.1f}%" if self.mfu is not None else "n/a"
         gn = f" | grad norm {self.grad_norm:.3f}" if self.grad_norm is not None else ""
         return (f"step {self.step:4d} | loss {self.loss:+.5f} | kl {self.kl:.5f} | clip {self.clip_fraction:.4f} "
                 f"| ratio {self.ratio:.4f} | {self.tokens_per_s:,.0f} tok/s | dedup {self.dedup_ratio:.2f}x "
                 f"| {self.useful_tflops:.3g} TFLOP/s/dev | MFU {mfu}{gn}")
+
+
+def step_sink(print_line: Optional[Callable[[str], None]], json_path: Optional[str] = None):
+    """A StepLog sink printing each record's line and appending its JSON to json_path."""
+    def sink(rec: StepRecord) -> None:
+        if print_line is not None:
+            print_line(rec.line())
+        if json_path:
+            with open(json_path, "a") as f:
+                f.write(rec.to_json() + "\n")
+    return sink
 
 
 class StepLog:

@@ -86,6 +86,12 @@ def rollout_stream_from_args(args, *, dp_size: int, dp_rank: int, micro_batches_
     path = args.rollouts or DEFAULT_ROLLOUTS
     vocab = args.vocab_size
     records = read_rollouts(path, vocab_size=vocab)
+    if args.kl_beta != 0 and args.kl_reference == "data":
+        missing = next((r.group_id for r in records if r.ref_logprobs is None), None)
+        if missing is not None:
+            raise ValueError(f"--kl-beta {args.kl_beta} needs reference logprobs, but group {missing!r} of {path} has "
+                             f"none: add ref_logprobs to the rollouts (docs/DATA.md), set --kl-beta 0, or use "
+                             f"--kl-reference initial (CPU runner)")
     pad = pad_to_multiple(args)
     weights = {}
     if shape is not None:  # balance ranks by fwd+bwd FLOPs (tokens and attention pairs)
