@@ -255,6 +255,21 @@ def test_loss_options_map_and_unsupported_ones_are_refused():
     with pytest.raises(ValueError, match="unknown key"):
         DualKVSettings.from_dict({"max_tokens_per_microbatch": 64, "max_token": 3})
 
+    # a constructed loss function: its attributes, token/sequence level from its loss_type
+    class ClippedPGLossFn:  # the attribute names of NeMo-RL's class
+        ratio_clip_min, ratio_clip_max, ratio_clip_c = 0.2, 0.28, None
+        reference_policy_kl_penalty, reference_policy_kl_type = 0.0, "k3"
+        kl_input_clamp_value, kl_output_clamp_value = 20.0, 10.0
+        use_on_policy_kl_approximation, use_importance_sampling_correction = False, True
+        disable_ppo_ratio, force_on_policy_ratio, sequence_level_importance_ratios = False, False, False
+        truncated_importance_sampling_ratio = None
+        loss_type = "LossType.SEQUENCE_LEVEL"
+
+    c = ClippedPGAdapter.from_loss_fn(ClippedPGLossFn()).config
+    assert (c.clip_high, c.kl_beta, c.importance_correction, c.aggregation) == (0.28, 0.0, True, "sequence")
+    with pytest.raises(ValueError, match="ClippedPGLossFn only, got NLLLoss"):
+        ClippedPGAdapter.from_loss_fn(type("NLLLoss", (), {})())
+
 
 # --------------------------------------------------------------------------------------------
 # Against the stock model on the [B, S] rows
