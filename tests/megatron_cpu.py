@@ -366,6 +366,7 @@ def _worker_main(rank: int, conn) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl.logging).*")
     patch_cuda_for_cpu()  # a dedicated process: the permanent patch is harmless and matches init_cpu_megatron
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             task = conn.recv()
@@ -409,9 +410,10 @@ class GlooWorkers:
     per worker, not once per test. `fn` must be importable by name (a module-level function).
     """
 
-    def __init__(self, size: int, timeout_s: float = 180.0):
+    def __init__(self, size: int, timeout_s: float = 180.0, startup_timeout_s: float = 300.0):
         self.size = size
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # per task, not counting the workers' start
+        self.startup_timeout_s = startup_timeout_s
         self._procs: list = []
         self._conns: list = []
 
@@ -434,6 +436,18 @@ class GlooWorkers:
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
+        # Wait for every worker to have imported torch, so that a task's timeout counts the task
+        # only (a loaded CI machine can take long to start Python processes).
+        deadline = time.monotonic() + self.startup_timeout_s
+        for rank, conn in enumerate(self._conns):
+            left = deadline - time.monotonic()
+            try:
+                ready = conn.poll(max(left, 0)) and conn.recv()[0] == "ready"
+            except (EOFError, OSError):
+                ready = False
+            if not ready:
+                self._kill()
+                raise RuntimeError(f"gloo worker {rank} did not start within {self.startup_timeout_s:.0f}s")
 
     def close(self) -> None:
         for conn in self._conns:
@@ -502,11 +516,14 @@ class GlooWorkers:
                 else:
                     errors[rank] = value
             if errors:
-                # Give the other ranks a moment to report their own error (often the root cause).
-                time.sleep(0.5)
-                for conn, rank in list(pending.items()):
-                    with contextlib.suppress(EOFError, OSError):
-                        if conn.poll():
+                # Give the other ranks a few seconds to report their own error (the root cause may
+                # be theirs); one blocked in a collective will not, and is killed below.
+                grace = min(deadline, time.monotonic() + 5.0)
+                while pending and time.monotonic() < grace:
+                    ready = multiprocessing.connection.wait(list(pending), timeout=grace - time.monotonic())
+                    for conn in ready:
+                        rank = pending.pop(conn)
+                        with contextlib.suppress(EOFError, OSError):
                             status, value = conn.recv()
                             if status == "error":
                                 errors[rank] = value

@@ -381,7 +381,8 @@ def assert_grads_equal(full: dict, reference: dict, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def workers():
-    with GlooWorkers(2, timeout_s=90) as w:
+    # timeout per task (~1 s each on an idle machine); a hang fails after it instead of blocking CI
+    with GlooWorkers(2, timeout_s=240) as w:
         yield w
 
 
@@ -600,6 +601,6 @@ def test_launcher_reports_a_failing_rank_with_its_traceback(workers):
 
 
 def test_launcher_times_out_on_a_hang(workers):
-    assert workers.run(_rank, world_size=2) == [(0, 2), (1, 2)]  # warm: only the hang can time out
-    with pytest.raises(TimeoutError, match=r"_hang_on_rank_0: ranks \[0\] did not finish"):
+    # rank 1 returns at once; on a loaded machine it may still be running when rank 0 times out
+    with pytest.raises(TimeoutError, match=r"_hang_on_rank_0: ranks \[0(, 1)?\] did not finish within 5s"):
         workers.run(_hang_on_rank_0, timeout_s=5)
