@@ -44,12 +44,6 @@ def grpo_layout(groups_spec, seed=0, **kw):
     return build_layout([Group.of(ids(p), [ids(r) for r in rs]) for p, rs in groups_spec], **kw)
 
 
-def synthetic_layout(groups_spec):
-    """A layout of realistic size without materialising ids through Python lists (the partition
-    reads only the segment table)."""
-    return grpo_layout([(p, rs) for p, rs in groups_spec])
-
-
 def test_key_counts_match_the_mask():
     layout = grpo_layout([(5, [3, 1, 4]), (3, [2, 5])], pad_to_multiple=8)
     rows = torch.arange(layout.num_tokens)
@@ -90,7 +84,7 @@ def test_partition_balances_attention_work(name, cp):
     proven bound max - min <= spread_bound holds.
     Token-count splitting (zigzag over 2cp equal chunks, Megatron's default) is far off on the
     same shapes: the cost-balanced partition must beat it."""
-    layout = synthetic_layout(REALISTIC[name])
+    layout = grpo_layout(REALISTIC[name])
     part = cp_partition(layout, cp, chunks_per_rank=8, chunk_multiple=128)
     costs = part.rank_cost
     assert sum(costs) == int(key_counts(part.layout.segments).sum())
