@@ -82,12 +82,14 @@ def _without_te_argv(argv: list[str]) -> list[str]:
 
 
 def _flag_value(argv: list[str], flag: str):
+    """The value of the LAST occurrence of `flag` (argparse: the last one wins), else None."""
+    value = None
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _free_port() -> int:

@@ -17,6 +17,10 @@ import contextlib
 import os
 import sys
 
+# torch.compile'd Megatron helpers (jit_fuser) would trace with CUDA generator state once
+# is_available() says yes: run them eagerly
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
