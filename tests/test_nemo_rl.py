@@ -617,11 +617,18 @@ def dp_rank_task(weights: dict, data: dict) -> list[dict]:
         return results
 
 
-def test_two_dp_ranks_sum_to_the_single_rank_step(models):
-    """Normalisers all-reduced over DP: the ranks' gradients sum to the one-rank gradient of
-    the whole batch (what DDP's sum then gives), and the all-reduced metrics equal its metrics."""
+@pytest.fixture(scope="module")
+def gloo():
+    """Two spawned gloo ranks, shared by the multi-process tests of this file (one start)."""
     from megatron_cpu import GlooWorkers
 
+    with GlooWorkers(2, timeout_s=120) as workers:
+        yield workers
+
+
+def test_two_dp_ranks_sum_to_the_single_rank_step(models, gloo):
+    """Normalisers all-reduced over DP: the ranks' gradients sum to the one-rank gradient of
+    the whole batch (what DDP's sum then gives), and the all-reduced metrics equal its metrics."""
     base, dualkv = models
     data = build_batch(SAME_N, seed=16)
     with torch.no_grad():
@@ -629,8 +636,7 @@ def test_two_dp_ranks_sum_to_the_single_rank_step(models):
     runner = DualKVPolicyRunner(dualkv, DualKVSettings(max_tokens_per_microbatch=24, num_generations_per_prompt=3),
                                 temperature=TEMPERATURE)
     weights = {n: p.detach().clone() for n, p in dualkv.named_parameters()}
-    with GlooWorkers(2, timeout_s=120) as workers:
-        ranks = workers.run(dp_rank_task, weights, data)
+    ranks = gloo.run(dp_rank_task, weights, data)
     want = (float((data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()), float(data["sample_mask"].sum()))
     for i, token_level in enumerate((True, False)):
         dualkv.zero_grad(set_to_none=True)
@@ -672,3 +678,37 @@ def test_runner_through_megatron_ddp_gives_the_bare_model_gradients(models):
     grads = dict(bare.named_parameters())
     for n, p in wrapped.named_parameters():
         torch.testing.assert_close(p.main_grad, grads[n].grad, rtol=1e-5, atol=1e-7, msg=lambda s: f"{n}: {s}")
+
+
+def tp_rank_task(data: dict) -> dict:
+    """TP=2 with sequence parallelism: the runner's logprobs and loss against the stock model
+    under the same TP (replicated rows, vocab-parallel logprobs), same weights on each rank."""
+    from megatron_dualkv.megatron import replicated_logprobs
+
+    with model_parallel(tp=2) as pgs:
+        cfg = qwen3_config("tiny", use_cpu_initialization=True, params_dtype=F64, vocab_size=VOCAB,
+                           tensor_model_parallel_size=2, sequence_parallel=True)
+        torch.manual_seed(21)
+        stock, model = (build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False).double()
+                        for _ in range(2))
+        copy_weights(stock, model)
+        to_dualkv_model(model)
+        runner = DualKVPolicyRunner(model, DualKVSettings(max_tokens_per_microbatch=24, num_generations_per_prompt=3),
+                                    temperature=TEMPERATURE)
+        got = runner.get_logprobs(data)
+        batch, mbs, indices = runner.prepare(data)
+        with torch.no_grad():
+            want = batch.to_sequences([(index, replicated_logprobs(stock, mb.layout, temperature=TEMPERATURE).logprobs)
+                                       for mb, index in zip(mbs, indices)], dtype=F64)
+        return {"pad": runner.pad_to_multiple, "sizes": [mb.layout.num_tokens for mb in mbs], "got": got, "want": want}
+
+
+def test_tensor_parallel_with_sequence_parallelism_pads_and_matches_the_stock_model(gloo):
+    data = build_batch(SAME_N, seed=22)
+    out = gloo.run(tp_rank_task, data)
+    for r in out:
+        assert r["pad"] == 2 and all(n % 2 == 0 for n in r["sizes"])
+        span = response_span(data)
+        torch.testing.assert_close(r["got"][span].double(), r["want"][span], rtol=1e-6, atol=1e-6)
+        assert (r["got"][~span] == 0).all()
+    torch.testing.assert_close(out[0]["got"], out[1]["got"], rtol=0, atol=0)
