@@ -316,6 +316,17 @@ def test_pretrain_path_saves_megatron_checkpoints_and_resumes_to_the_same_losses
     assert full[2]["loss"] != full[1]["loss"]
 
 
+def test_flags_given_after_demo_win_and_the_preset_follows_the_last_model_size():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import pretrain_grpo_dualkv as script
+
+    argv = script.build_argv(["--demo", "--model-size", "tiny-moe", "--train-iters", "7"])
+    assert argv[argv.index("--num-experts") + 1] == "4"  # the tiny-moe preset, not the demo's tiny
+    assert script._flag_value(argv, "--train-iters") == "7"
+    assert "--calculate-per-token-loss" in argv and script._flag_value(argv, "--dataloader-type") == "external"
+    assert script.build_argv([]) == script.build_argv(["--demo"])
+
+
 def _args(**kw):
     base = dict(pipeline_model_parallel_size=1, context_parallel_size=1, micro_batch_size=1, groups_per_step=2,
                 updates_per_batch=1)
