@@ -546,6 +546,23 @@ def test_dp2_grads_equal_single_rank_sum(workers):
     assert gap > 100 * RTOL, f"a mean of per-replica means differs by only {gap:.1e}: micro-batches too alike"
 
 
+def test_dp2_with_gradient_accumulation_equals_one_rank_with_all_micro_batches(workers):
+    """Each DP replica accumulates two micro-batches (Megatron sums their token counts, then
+    all-reduces them over DP): equal to one rank running all four, MoE included."""
+    case = Case(moe=True)
+    mbs = [make_microbatch(seed=40 + k, pad_to_multiple=1, num_groups=3 - k % 2) for k in range(4)]
+    ref = reference(workers, case, mbs)
+    out = parallel(workers, case, [mbs[:2], mbs[2:]], ref["initial"])
+    for r, res in enumerate(out):
+        for k in range(2):
+            assert_close(res["logprobs"][k], ref["logprobs"][2 * r + k], f"replica {r} micro-batch {k}: logprobs")
+            assert_close(res["loss_sums"][k], ref["loss_sums"][2 * r + k], f"replica {r} micro-batch {k}: loss")
+    check_against_replicated(out, [mbs[:2], mbs[2:]], case)
+    summed = {k: out[0]["router_losses"][k] + out[1]["router_losses"][k] for k in out[0]["router_losses"]}
+    check_router_losses(summed, ref["router_losses"], "summed over the 2 replicas", True)
+    check_step(out, ref, "DP=2 x 2 micro-batches")
+
+
 # ------------------------------------------------------------------------------------------------
 # The harness itself: a wrong shard is caught, a failing or hanging rank fails the test
 # (last in the file: the launcher tests kill the workers)
