@@ -35,6 +35,9 @@ from .flops import FWD_BWD_FACTOR, group_pairs
 
 GIB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "full")
+# backward transient as a fraction of one layer's saved activations (see _memory)
+WORKSPACE_NONE = 0.5
+WORKSPACE_FULL = 1.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -527,15 +530,18 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
         per_layer -= 2 * kv_d * (2 if impl.attention_copies_v else 1) / tp * tokens
         per_layer += 4 * kv_d / tp * mb.tokens
     layer_input = (2 * h / (tp if par.sp else 1)) * tokens  # what full recomputation keeps per layer
+    # Transient during backward, as fractions of one layer's saved activations (calibrated on the
+    # CPU measurement of tests/test_planner.py: gradients of a layer's activations exist while its
+    # saved tensors are released; full recomputation first rebuilds the whole layer).
     if recompute == "full":
-        stored_layers = L * layer_input
-        workspace = 2 * per_layer  # the recomputed layer's activations and their gradients
+        stored_layers = L * layer_input + (4 * shape.kv_channels + 1) * tokens  # + fp32 rotary table, mask
+        workspace = WORKSPACE_FULL * per_layer
     else:
         saved = per_layer
         if recompute == "selective":  # core attention recomputed: its inputs are kept, output and LSE not
             saved -= (4 * shape.num_attention_heads / tp) * tokens
         stored_layers = L * saved
-        workspace = per_layer  # gradients of one layer's activations during its backward
+        workspace = WORKSPACE_NONE * per_layer
     if shape.is_moe:
         # permuted tokens before and after the all-to-all exist at once during dispatch
         workspace += 2 * shape.moe_router_topk * 2 * h * par.etp * tokens / tp
