@@ -261,7 +261,8 @@ def make_microbatch(seed: int, spec) -> dict:
 SPECS = [[(13, [4, 1, 6]), (5, [3, 7])], [(6, [2, 9]), (11, [5, 3, 1])], [(48, [1, 1])]]
 
 
-def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, mbs: list, weights, chunk_multiple: int) -> dict:
+def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, mbs: list, weights, chunk_multiple: int,
+                  ep: int = 1) -> dict:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -272,10 +273,11 @@ def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, mbs: 
     from megatron_dualkv.megatron import build_dualkv_model, cp_token_count, qwen3_config
 
     global_num_tokens = float(sum(mb["layout"].num_edges for mb in mbs))
-    with model_parallel(tp=tp, cp=cp) as pgs:
+    with model_parallel(tp=tp, ep=ep, cp=cp) as pgs:
         cfg = qwen3_config(
             "tiny-moe" if moe else "tiny", **dict(overrides), vocab_size=VOCAB, use_cpu_initialization=True,
             params_dtype=torch.float32, tensor_model_parallel_size=tp, context_parallel_size=cp,
+            expert_model_parallel_size=ep,
             sequence_parallel=sp, calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
         )
         model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False,
@@ -347,15 +349,16 @@ def assert_prompt_rows_split(results: list, mbs: list) -> None:
     raise AssertionError("no group has its last prompt row on another rank than a response: the test lost its point")
 
 
-def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, overrides: tuple = ()):
+def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, overrides: tuple = (), ep: int = 1):
     mbs = [make_microbatch(40 + i, spec) for i, spec in enumerate(SPECS)]
     chunk_multiple = 2 * tp
     ref = workers.run(cp_train_step, moe, 1, 1, False, overrides, mbs, None, chunk_multiple, world_size=1)[0]
-    out = workers.run(cp_train_step, moe, cp, tp, sp, overrides, mbs, ref["initial"], chunk_multiple, world_size=cp * tp)
+    out = workers.run(cp_train_step, moe, cp, tp, sp, overrides, mbs, ref["initial"], chunk_multiple, ep,
+                      world_size=cp * tp)
     cp_ranks = [r for r in out if r["rank"] % tp == 0]
     assert_prompt_rows_split(cp_ranks, mbs)
     assert any(len(r["split"][k][1]) == 0 for r in cp_ranks for k in range(len(mbs))), "no CP rank without edges"
-    what = f"CP={cp} TP={tp} sp={sp} moe={moe} {dict(overrides)}"
+    what = f"CP={cp} TP={tp} EP={ep} sp={sp} moe={moe} {dict(overrides)}"
     for res in out:
         for k in range(len(mbs)):
             assert_close(res["logprobs"][k], ref["logprobs"][k], f"{what}: logprobs of micro-batch {k} on rank {res['rank']}")
@@ -406,3 +409,9 @@ def test_gpu_cp_check_tool_runs_tiny_on_cpu(tmp_path):
         assert check["passed"] and check["grad_rel_max"] <= 1e-4, check
     cost = summary["cost_bf16"]
     assert len(cost["per_rank"]) == 2 and cost["attention_imbalance_cp2"] >= 1.0
+
+
+def test_cp2_ep2_equals_cp1(workers):
+    """2 ranks: CP=2 with the 4 experts split over the same 2 ranks (EP=2, alltoall dispatcher):
+    each rank routes its own rows' tokens to experts on both ranks."""
+    run_and_compare(workers, True, cp=2, tp=1, sp=False, ep=2)
