@@ -9,7 +9,8 @@
 //   dV += P^T dO, dK += dS^T Q               (wgmma, A from registers, B = dO / Q N-major)
 // dQ: one CTA = 2 warpgroups = one 128-row query tile of one query head, key tiles of 64 rows:
 //   S = Q K^T, dP = dO V^T; dS = P (dP - delta); dQ += dS K.
-// Both accumulate in registers in a fixed order: deterministic, no atomics.
+// Both accumulate dK/dV (and dQ in the dQ kernel) in registers in a fixed order: deterministic.
+// Fast mode (kAtomicDQ) adds dQ to an fp32 buffer with atomics from the dK/dV kernel instead.
 
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
