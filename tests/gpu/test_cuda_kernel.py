@@ -21,7 +21,7 @@ from megatron_dualkv.layout import SegmentTable
 cuda_backend = pytest.importorskip("megatron_dualkv.ops.cuda_backend")
 
 _ok, _why = cuda_backend.is_available() if torch.cuda.is_available() else (False, "no CUDA device")
-pytestmark = pytest.mark.skipif(not _ok, reason=f"DualKV CUDA backend unavailable: {_why}")
+gpu = pytest.mark.skipif(not _ok, reason=f"DualKV CUDA backend unavailable: {_why}")
 
 # slack on "no larger than the replicated SDPA error": 2% for the noise of one random draw
 SLACK = 1.02
@@ -179,6 +179,7 @@ CASES = [
 ]
 
 
+@gpu
 @pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS + ("sm90-dq-kernel",))
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
@@ -209,6 +210,7 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
     assert lse_err < 1e-2
 
 
+@gpu
 def test_matches_lead_reference_small():
     reference = pytest.importorskip("megatron_dualkv.ops.reference")
     seg = make_segments([(100, [3, 70, 1]), (5, [9])], pad=3)
@@ -219,6 +221,7 @@ def test_matches_lead_reference_small():
     assert (lse.double() - ref_lse).abs().max().item() < 1e-2
 
 
+@gpu
 @pytest.mark.parametrize("variant", ["0", "1"])
 @pytest.mark.parametrize("d", [128, 64])
 def test_forward_kernels_agree(variant, d, monkeypatch):
@@ -233,6 +236,7 @@ def test_forward_kernels_agree(variant, d, monkeypatch):
     assert (a_lse - b_lse).abs().max().item() < 1e-3
 
 
+@gpu
 @pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS)
 def test_deterministic_bitwise(impl):
     seg = make_segments([(3001, [5, 900, 2048, 1]), (100, [50] * 8)], pad=5)
@@ -243,6 +247,7 @@ def test_deterministic_bitwise(impl):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs"
 
 
+@gpu
 def test_bad_inputs_raise_clear_errors():
     seg = make_segments([(10, [3])])
     t = seg.num_tokens
@@ -263,6 +268,7 @@ def test_bad_inputs_raise_clear_errors():
         cuda_backend.attention(q, k, k, deep, 0.1)
 
 
+@gpu
 def test_torch_compile_traces_the_ops():
     seg = make_segments([(200, [10, 70])])
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
@@ -277,3 +283,56 @@ def test_torch_compile_traces_the_ops():
     ref = f(q, k, v)
     assert torch.equal(out, ref)
     assert qq.grad is not None and torch.isfinite(qq.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# work lists (host side, no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tiles", [(64, 64), (128, 128)])
+def test_work_lists_cover_every_allowed_pair_once(seed, tiles):
+    """Row items tile every query once with the right key regions; key items visit exactly the
+    queries that may attend them (own causal rows, all children of a root)."""
+    rng = random.Random(seed)
+    groups = [(rng.randint(1, 300), [rng.randint(1, 200) for _ in range(rng.randint(0, 6))])
+              for _ in range(rng.randint(1, 4))]
+    seg = make_segments(groups, pad=rng.choice([0, 3, 70]), device="cpu")
+    row_tile, kv_tile = tiles
+    rows, kvs, ranges = cuda_backend.build_work(seg, row_tile=row_tile, kv_tile=kv_tile)
+    t = seg.num_tokens
+    seg_of = seg.token_segment_ids().tolist()
+    starts, lens, parents = seg.host_start, seg.host_length, seg.host_parent
+    covered = [0] * t
+    for q0, q1, self0, par0, par1, cost, _, _ in rows:
+        s_ = seg_of[q0]
+        assert seg_of[q1 - 1] == s_ and q1 - q0 <= row_tile and self0 == starts[s_]
+        p_ = parents[s_]
+        assert (par0, par1) == ((starts[p_], starts[p_] + lens[p_]) if p_ >= 0 else (0, 0))
+        for i in range(q0, q1):
+            covered[i] += 1
+    assert covered == [1] * t
+    kcovered = [0] * t
+    for k0, k1, seg_end, rlo, rhi, per_head, _, _ in kvs:
+        s_ = seg_of[k0]
+        assert seg_of[k1 - 1] == s_ and k1 - k0 <= kv_tile and seg_end == starts[s_] + lens[s_]
+        visited = set(range(k0, seg_end))
+        n_tiles = -(-(seg_end - k0) // 64)
+        for a, b in ranges[rlo:rhi]:
+            visited |= set(range(a, b))
+            n_tiles += -(-(b - a) // 64)
+        assert per_head == n_tiles
+        kids = {c for c, p in enumerate(parents) if p == s_}
+        for j in range(k0, k1):
+            kcovered[j] += 1
+            allowed = {i for i in range(t) if (seg_of[i] == s_ and i >= j) or seg_of[i] in kids}
+            assert allowed <= visited
+            assert {i for i in visited if not (seg_of[i] == s_ and i < j)} == allowed
+    assert kcovered == [1] * t
+
+
+def test_work_lists_reject_deeper_trees():
+    deep = SegmentTable.from_host([0, 4, 8], [4, 4, 5], [-1, 0, 1])
+    with pytest.raises(ValueError, match="depth"):
+        cuda_backend.build_work(deep)
