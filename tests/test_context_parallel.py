@@ -261,8 +261,9 @@ def make_microbatch(seed: int, spec) -> dict:
 SPECS = [[(13, [4, 1, 6]), (5, [3, 7])], [(6, [2, 9]), (11, [5, 3, 1])], [(48, [1, 1])]]
 
 
-def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, mbs: list, weights, chunk_multiple: int,
-                  ep: int = 1) -> dict:
+def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, replicas: list, weights,
+                  chunk_multiple: int, ep: int = 1) -> dict:
+    """One training step; `replicas[d]` are the micro-batches of data-parallel replica d."""
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -272,8 +273,11 @@ def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, mbs: 
     from megatron_dualkv.cp import cp_shard
     from megatron_dualkv.megatron import build_dualkv_model, cp_token_count, qwen3_config
 
-    global_num_tokens = float(sum(mb["layout"].num_edges for mb in mbs))
+    from megatron.core import parallel_state
+
+    global_num_tokens = float(sum(mb["layout"].num_edges for mbs in replicas for mb in mbs))
     with model_parallel(tp=tp, ep=ep, cp=cp) as pgs:
+        mbs = replicas[parallel_state.get_data_parallel_rank()]
         cfg = qwen3_config(
             "tiny-moe" if moe else "tiny", **dict(overrides), vocab_size=VOCAB, use_cpu_initialization=True,
             params_dtype=torch.float32, tensor_model_parallel_size=tp, context_parallel_size=cp,
@@ -331,7 +335,7 @@ def workers():
 SEQ_AUX_AND_Z = (("moe_router_load_balancing_type", "seq_aux_loss"), ("moe_z_loss_coeff", 1e-3))
 
 
-def assert_prompt_rows_split(results: list, mbs: list) -> None:
+def prompt_rows_split(results: list, mbs: list) -> bool:
     """Some group's last prompt row is computed on one CP rank while one of its responses'
     rows lives on another (the edge-on-source-rank rule is exercised)."""
     for k, mb in enumerate(mbs):
@@ -345,24 +349,34 @@ def assert_prompt_rows_split(results: list, mbs: list) -> None:
             last = layout.segments.host_start[prompt_seg] + layout.segments.host_length[prompt_seg] - 1
             for s in layout.group_response_segments[g]:
                 if owner[layout.segments.host_start[s]] != owner[last]:
-                    return
-    raise AssertionError("no group has its last prompt row on another rank than a response: the test lost its point")
+                    return True
+    return False
 
 
-def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, overrides: tuple = (), ep: int = 1):
+def run_and_compare(workers, moe: bool, cp: int, tp: int, sp: bool, overrides: tuple = (), ep: int = 1, dp: int = 1):
+    """CP (x TP x EP) step vs CP=1 on one rank holding every micro-batch. With dp > 1 the
+    micro-batches are dealt round-robin to the DP replicas (different token counts per replica)."""
     mbs = [make_microbatch(40 + i, spec) for i, spec in enumerate(SPECS)]
+    replicas = [mbs[d::dp] for d in range(dp)]
     chunk_multiple = 2 * tp
-    ref = workers.run(cp_train_step, moe, 1, 1, False, overrides, mbs, None, chunk_multiple, world_size=1)[0]
-    out = workers.run(cp_train_step, moe, cp, tp, sp, overrides, mbs, ref["initial"], chunk_multiple, ep,
-                      world_size=cp * tp)
-    cp_ranks = [r for r in out if r["rank"] % tp == 0]
-    assert_prompt_rows_split(cp_ranks, mbs)
-    assert any(len(r["split"][k][1]) == 0 for r in cp_ranks for k in range(len(mbs))), "no CP rank without edges"
+    ref = workers.run(cp_train_step, moe, 1, 1, False, overrides, [mbs], None, chunk_multiple, world_size=1)[0]
+    out = workers.run(cp_train_step, moe, cp, tp, sp, overrides, replicas, ref["initial"], chunk_multiple, ep,
+                      world_size=cp * tp * dp)
+    ref_index = {id(mb): k for k, mb in enumerate(mbs)}
+    for res in out:  # rank = tp-rank + tp * (cp-rank + cp * dp-replica) (Megatron's tp-cp-ep-dp order)
+        res["mbs"] = [ref_index[id(mb)] for mb in replicas[res["rank"] // (tp * cp)]]
+    split = no_edges = False
+    for d in range(dp):
+        cp_ranks = [r for r in out if r["rank"] % tp == 0 and r["rank"] // (tp * cp) == d]
+        split = split or prompt_rows_split(cp_ranks, replicas[d])
+        no_edges = no_edges or any(len(r["split"][k][1]) == 0 for r in cp_ranks for k in range(len(replicas[d])))
+    assert split, "no group has its last prompt row on another rank than a response: the test lost its point"
+    assert no_edges, "no CP rank without loss edges"
     what = f"CP={cp} TP={tp} EP={ep} sp={sp} moe={moe} {dict(overrides)}"
     for res in out:
-        for k in range(len(mbs)):
-            assert_close(res["logprobs"][k], ref["logprobs"][k], f"{what}: logprobs of micro-batch {k} on rank {res['rank']}")
-            assert_close(res["loss_sums"][k], ref["loss_sums"][k], f"{what}: loss of micro-batch {k} on rank {res['rank']}")
+        for i, k in enumerate(res["mbs"]):
+            assert_close(res["logprobs"][i], ref["logprobs"][k], f"{what}: logprobs of micro-batch {k} on rank {res['rank']}")
+            assert_close(res["loss_sums"][i], ref["loss_sums"][k], f"{what}: loss of micro-batch {k} on rank {res['rank']}")
         assert set(res["router_losses"]) == set(ref["router_losses"])
         for name, want in ref["router_losses"].items():
             assert (want != 0).all()
@@ -415,3 +429,10 @@ def test_cp2_ep2_equals_cp1(workers):
     """2 ranks: CP=2 with the 4 experts split over the same 2 ranks (EP=2, alltoall dispatcher):
     each rank routes its own rows' tokens to experts on both ranks."""
     run_and_compare(workers, True, cp=2, tp=1, sp=False, ep=2)
+
+
+def test_dp2_cp2_equals_one_rank(workers):
+    """4 ranks: 2 data-parallel replicas, each split over 2 CP ranks, different micro-batches per
+    replica: gradients reduced over DP x CP and divided by the token count summed over DP x CP
+    (each micro-batch counted once, on its CP rank 0) equal one rank holding every micro-batch."""
+    run_and_compare(workers, False, cp=2, tp=1, sp=False, dp=2)
