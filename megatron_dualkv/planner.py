@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from .flops import FWD_BWD_FACTOR, group_pairs
 
@@ -645,12 +645,15 @@ def micro_batch_time(plan: Plan, mb: MicroBatch) -> dict:
             cp_comm = L * (2 + extra_fwd) * qkvo * (par.cp - 1) / par.cp / _bw(hw, spans, a2a=True)
     # EP: dispatch and combine all-to-all forward, again backward (and when recomputed)
     ep_comm = 0.0
-    if shape.is_moe and par.ep > 1:
-        pair_bytes = tokens / par.tp * shape.moe_router_topk * h * 2 * par.etp
-        in_node = min(par.ep, max(1, node // par.etp))
-        per_a2a = pair_bytes * ((in_node - 1) / par.ep / _bw(hw, False, a2a=True)
-                                + (par.ep - in_node) / par.ep / _bw(hw, True))
-        ep_comm = L * (4 + 2 * extra_fwd) * per_a2a
+    if shape.is_moe:
+        pair_bytes = tokens / par.tp * shape.moe_router_topk * h * 2  # this GPU's (token, expert) pairs
+        if par.ep > 1:
+            in_node = min(par.ep, max(1, node // par.etp))
+            per_a2a = pair_bytes * ((in_node - 1) / par.ep / _bw(hw, False, a2a=True)
+                                    + (par.ep - in_node) / par.ep / _bw(hw, True))
+            ep_comm += L * (4 + 2 * extra_fwd) * per_a2a
+        if par.etp > 1:  # received pairs all-gathered over expert-TP before the experts, reduce-scattered after
+            ep_comm += L * (4 + 2 * extra_fwd) * pair_bytes * (par.etp - 1) / _bw(hw, par.etp > node)
     t["tp_comm"], t["cp_comm"], t["ep_comm"] = tp_comm, cp_comm, ep_comm
     t["total"] = sum(t.values())
     return t
@@ -677,11 +680,14 @@ def _step_sync_time(plan: Plan) -> dict:
 def _flops_and_time(plan: Plan, mbs: Sequence[MicroBatch]) -> None:
     shape, par = plan.shape, plan.parallel
     executed = {"dense": 0.0, "expert": 0.0, "logits": 0.0, "attention": 0.0}
-    times = []
-    for mb in mbs:
-        for k, v in micro_batch_flops(shape, mb, plan.recompute).items():
+    times, cache = [], {}
+    for mb in mbs:  # a step repeats a few distinct micro-batches many times
+        if mb not in cache:
+            cache[mb] = (micro_batch_flops(shape, mb, plan.recompute), micro_batch_time(plan, mb))
+        f, t = cache[mb]
+        for k, v in f.items():
             executed[k] += v
-        times.append(micro_batch_time(plan, mb))
+        times.append(t)
     # micro-batches to data-parallel ranks, longest first to the least loaded (the packer balances work)
     loads = [0.0] * par.dp
     counts = [0] * par.dp
@@ -712,10 +718,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(shape: ModelShape, world: int, hw: Hardware = H100, max_cp: int = 16,
-            expert_tp: Iterable[int] = (1,)) -> list[Parallel]:
+def layouts(shape: ModelShape, world: int, hw: Hardware = H100, max_cp: int = 16) -> list[Parallel]:
     """Every Megatron layout of `world` GPUs (PP = 1, SP on with TP) that the shape allows; TP stays
-    inside a node."""
+    inside a node. Expert-TP is 1 or TP (Megatron's default when --expert-tensor-parallel-size is
+    not given is TP)."""
     out = []
     for tp in _divisors(world):
         if tp > hw.gpus_per_node:
@@ -726,7 +732,7 @@ def layouts(shape: ModelShape, world: int, hw: Hardware = H100, max_cp: int = 16
             dp = world // (tp * cp)
             eps = [d for d in _divisors(world) if shape.is_moe and shape.num_moe_experts % d == 0] or [1]
             for ep in eps:
-                for etp in (expert_tp if shape.is_moe else (1,)):
+                for etp in (sorted({1, tp}) if shape.is_moe else (1,)):
                     try:
                         par = Parallel(tp=tp, cp=cp, dp=dp, ep=ep, etp=etp)
                         par.check(shape)
