@@ -49,6 +49,10 @@ def cuda_for_pretrain():
         import megatron.training.training as training
 
         stack.enter_context(_patched(training, "set_jit_fusion_options", lambda *a, **k: None))
+        # argument validation asks the GPU architecture when TP > 1: answer Hopper
+        import megatron.training.arguments as arguments
+
+        stack.enter_context(_patched(arguments, "get_device_arch_version", lambda: 9))
         stack.enter_context(megatron_cpu_shims())
         stack.enter_context(cuda_rng_state_on_cpu())
         yield

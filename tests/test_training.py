@@ -285,6 +285,21 @@ def test_the_cpu_main_job_runs_end_to_end(tmp_path):
     assert (save / "rank00000.pt").exists()
 
 
+def off_policy_rollouts(path) -> str:
+    """The first 12 shipped groups with old and reference logprobs near a random tiny model's
+    (about -log 512), so that the loss depends on the weights (ratio and KL), not only on the data."""
+    from megatron_dualkv.data import write_rollouts
+
+    g = torch.Generator().manual_seed(8)
+    out = []
+    for r in read_rollouts(DEFAULT_ROLLOUTS, vocab_size=VOCAB)[:12]:
+        lp = lambda: [(-6.2 + 0.3 * torch.randn(len(x), generator=g, dtype=F64)).clamp(max=0).tolist() for x in r.responses]
+        out.append(RolloutGroup(r.group_id, r.prompt, r.responses, advantages=r.advantages,
+                                old_logprobs=lp(), ref_logprobs=lp()))
+    write_rollouts(out, str(path))
+    return str(path)
+
+
 def _run_pretrain_on_cpu(args: list[str], step_log) -> list[dict]:
     import json
 
@@ -292,7 +307,7 @@ def _run_pretrain_on_cpu(args: list[str], step_log) -> list[dict]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "pretrain_on_cpu.py"), "--demo",
-                           "--kl-reference", "data", "--kl-beta", "0", "--updates-per-batch", "1",
+                           "--kl-reference", "data", "--kl-beta", "0.05", "--updates-per-batch", "1",
                            "--groups-per-step", "4", "--train-iters", "3", "--step-log", str(step_log), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
@@ -304,16 +319,21 @@ def _run_pretrain_on_cpu(args: list[str], step_log) -> list[dict]:
 def test_pretrain_path_saves_megatron_checkpoints_and_resumes_to_the_same_losses(tmp_path):
     """The script's GPU path, megatron.training.pretrain(), run on a CPU (tests/pretrain_on_cpu.py):
     three iterations saving Megatron (torch_dist) checkpoints at 2 and 3; then a fresh process
-    loads the one of iteration 2 (--load) and runs iteration 3, which must give the same loss."""
+    loads the one of iteration 2 (--load) and runs iteration 3, which must give the same loss.
+    The rollouts carry old and reference logprobs: the loss depends on the weights (an on-policy
+    loss without KL would not: -mean(advantage) whatever the model)."""
+    rollouts = off_policy_rollouts(tmp_path / "rollouts.jsonl")
     ckpt = tmp_path / "ckpt"
-    full = _run_pretrain_on_cpu(["--save", str(ckpt), "--save-interval", "2"], tmp_path / "full.jsonl")
+    full = _run_pretrain_on_cpu(["--rollouts", rollouts, "--save", str(ckpt), "--save-interval", "2"],
+                                tmp_path / "full.jsonl")
     assert [r["step"] for r in full] == [1, 2, 3], full
     assert (ckpt / "iter_0000002").is_dir()
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = _run_pretrain_on_cpu(["--load", str(ckpt)], tmp_path / "resumed.jsonl")
+    resumed = _run_pretrain_on_cpu(["--rollouts", rollouts, "--load", str(ckpt)], tmp_path / "resumed.jsonl")
     assert [r["step"] for r in resumed] == [3], resumed
-    assert resumed[0]["loss"] == full[2]["loss"] and resumed[0]["pg_loss"] == full[2]["pg_loss"]
-    assert full[2]["loss"] != full[1]["loss"]
+    assert resumed[0]["loss"] == full[2]["loss"] and resumed[0]["kl"] == full[2]["kl"]
+    assert full[2]["kl"] > 0 and full[2]["clip_fraction"] > 0
+
 
 
 def test_flags_given_after_demo_win_and_the_preset_follows_the_last_model_size():
