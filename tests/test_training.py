@@ -347,6 +347,27 @@ def test_flags_given_after_demo_win_and_the_preset_follows_the_last_model_size()
     assert script.build_argv([]) == script.build_argv(["--demo"])
 
 
+def test_rollout_batches_walk_seeded_epochs_without_repeating_a_group_in_a_batch():
+    records = read_rollouts(DEFAULT_ROLLOUTS, vocab_size=VOCAB)[:5]
+    stream = RolloutStepStream(records, groups_per_step=2, micro_batches_per_step=4,
+                               packing=PackingConfig(max_tokens=4096, vocab_size=VOCAB), dp_rank=0, seed=3)
+    ids = [[r.group_id for r in stream.batch_records(b)] for b in range(5)]
+    assert all(len(set(b)) == 2 for b in ids)
+    first_epoch = [g for b in ids[:2] for g in b] + ids[2][:1]  # batch 2 straddles epochs 0 and 1
+    assert sorted(first_epoch) == sorted(r.group_id for r in records)
+    assert ids == [[r.group_id for r in stream.batch_records(b)] for b in range(5)]  # deterministic
+    other = RolloutStepStream(records, groups_per_step=2, micro_batches_per_step=4,
+                              packing=PackingConfig(max_tokens=4096, vocab_size=VOCAB), dp_rank=0, seed=4)
+    assert ids != [[r.group_id for r in other.batch_records(b)] for b in range(5)]
+    # every update of a rollout batch sees the same micro-batches; empty slots come first
+    s2 = RolloutStepStream(records, groups_per_step=2, micro_batches_per_step=4,
+                           packing=PackingConfig(max_tokens=4096, vocab_size=VOCAB), dp_rank=0, updates_per_batch=2)
+    a, b, c = s2.step_items(0), s2.step_items(1), s2.step_items(2)
+    assert [(i.batch, i.update) for i in (a[0], b[0], c[0])] == [(0, 0), (0, 1), (1, 0)]
+    assert [i.micro_batch is None for i in a] == [True, True, True, False]
+    assert a[-1].micro_batch is b[-1].micro_batch and a[-1].micro_batch is not c[-1].micro_batch
+
+
 def _args(**kw):
     base = dict(pipeline_model_parallel_size=1, context_parallel_size=1, micro_batch_size=1, groups_per_step=2,
                 updates_per_batch=1)

@@ -97,7 +97,9 @@ class RolloutStepStream:
         if epoch not in self._epoch_orders:
             order = list(range(len(self.records)))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._epoch_orders = {epoch: order}  # keep one epoch: steps advance monotonically
+            # keep this epoch and the one before (a batch may straddle them); steps only advance
+            self._epoch_orders = {e: o for e, o in self._epoch_orders.items() if e == epoch - 1}
+            self._epoch_orders[epoch] = order
         return self._epoch_orders[epoch]
 
     def batch_records(self, batch: int) -> list[RolloutGroup]:

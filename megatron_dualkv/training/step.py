@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..loss import PolicyLossConfig, policy_loss
+from ..loss import PolicyLossConfig, count_valid, policy_loss
 from .data import StepItem
 
 METRIC_KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "ratio", "dedup_ratio")
@@ -144,11 +144,12 @@ class PolicyForwardStep:
         cfg = self.loss_config
         # Normalise by this micro-batch's own count (at least 1) and multiply back: the product is
         # the micro-batch's share of the step's sum; Megatron divides by the global count.
-        from ..loss import count_valid
-
         local = count_valid(batch, mb.layout)
         unit = "num_tokens" if cfg.aggregation == "token" else "num_responses"
         count = float(local[unit])
+        if abs(count - round(count)) > 1e-6:
+            raise ValueError(f"micro-batch {mb.index} of rank {mb.dp_rank}: {unit} is {count}, not an integer "
+                             f"(fractional loss-mask weights): Megatron's per-token loss counts whole tokens")
         norm = max(count, 1.0)
         kwargs = {"global_num_tokens": norm} if cfg.aggregation == "token" else {"global_num_responses": norm}
         loss, m = policy_loss(logprobs, batch, mb.layout, cfg, **kwargs)
