@@ -234,6 +234,9 @@ class Implementation:
     attention_copies_v: the attention kernel saves its own copy of V (Flex pads q, k, v to 128
       rows) rather than a view into the fused QKV output.
     with_entropy: the DualKV logprobs also keep the fp32 logits for the entropy.
+    logits_chunk_rows: WHAT-IF, not implemented in the model: the output layer and logprobs run
+      over chunks of this many rows and are recomputed in backward, so no [rows, vocab/TP] fp32
+      tensor outlives its chunk (costs one more output-layer forward).
     """
 
     norm: str = "fused"
@@ -241,8 +244,11 @@ class Implementation:
     swiglu: str = "fused"
     attention_copies_v: bool = True
     with_entropy: bool = False
+    logits_chunk_rows: Optional[int] = None
 
     def __post_init__(self):
+        if self.logits_chunk_rows is not None and self.logits_chunk_rows < 1:
+            raise ValueError(f"logits_chunk_rows must be >= 1, got {self.logits_chunk_rows}")
         for f, ok in (("norm", ("fused", "composite")), ("rope", ("unfused", "fused")), ("swiglu", ("fused", "unfused"))):
             if getattr(self, f) not in ok:
                 raise ValueError(f"Implementation.{f} must be one of {ok}, got {getattr(self, f)!r}")
@@ -559,6 +565,9 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
         gathered = 2 * h * rows / (tp if par.sp else 1)  # output layer input
         held = 4 * rows * vocab_local  # Megatron's cross entropy keeps fp32 exp-logits of every row
         peak_logits = 6 * rows * vocab_local  # + the bf16 logits while they are cast
+    if impl.logits_chunk_rows is not None:  # what-if: one chunk of logits alive at a time
+        peak_logits = peak_logits / rows * min(rows, impl.logits_chunk_rows) if rows else 0.0
+        held = 0.0
     other = final_norm + ids + gathered
     activations = stored_layers + other + held
     transient = max(peak_logits - held, workspace)
@@ -587,7 +596,7 @@ def _attn_fwd_flops(shape: ModelShape, pairs: int) -> float:
     return 4.0 * shape.num_attention_heads * shape.kv_channels * pairs * shape.num_layers
 
 
-def micro_batch_flops(shape: ModelShape, mb: MicroBatch, recompute: str = "none") -> dict:
+def micro_batch_flops(shape: ModelShape, mb: MicroBatch, recompute: str = "none", logits_recomputed: bool = False) -> dict:
     """Executed FLOPs of one micro-batch (whole model, all GPUs), by item."""
     dense_tok, expert_tok = _per_token_fwd_flops(shape)
     attn_fwd = _attn_fwd_flops(shape, mb.attention_pairs)
@@ -595,7 +604,7 @@ def micro_batch_flops(shape: ModelShape, mb: MicroBatch, recompute: str = "none"
     return {
         "dense": (3 + extra_fwd) * dense_tok * mb.tokens,
         "expert": (3 + extra_fwd) * expert_tok * mb.tokens,
-        "logits": 3 * 2.0 * shape.hidden_size * shape.vocab_size * mb.logit_rows,
+        "logits": (4 if logits_recomputed else 3) * 2.0 * shape.hidden_size * shape.vocab_size * mb.logit_rows,
         "attention": (FWD_BWD_FACTOR + (1 if recompute in ("full", "selective") else 0)) * attn_fwd,
     }
 
@@ -609,7 +618,7 @@ def _bw(hw: Hardware, spans_nodes: bool, a2a: bool = False) -> float:
 def micro_batch_time(plan: Plan, mb: MicroBatch) -> dict:
     """Seconds one GPU spends on one micro-batch, by item (compute and communication, not overlapped)."""
     shape, par, hw, rc = plan.shape, plan.parallel, plan.hw, plan.recompute
-    f = micro_batch_flops(shape, mb, rc)
+    f = micro_batch_flops(shape, mb, rc, plan.impl.logits_chunk_rows is not None)
     split = par.tp * par.cp
     dense_tok, expert_tok = _per_token_fwd_flops(shape)
     attn_fwd = _attn_fwd_flops(shape, mb.attention_pairs)
@@ -683,7 +692,8 @@ def _flops_and_time(plan: Plan, mbs: Sequence[MicroBatch]) -> None:
     times, cache = [], {}
     for mb in mbs:  # a step repeats a few distinct micro-batches many times
         if mb not in cache:
-            cache[mb] = (micro_batch_flops(shape, mb, plan.recompute), micro_batch_time(plan, mb))
+            cache[mb] = (micro_batch_flops(shape, mb, plan.recompute, plan.impl.logits_chunk_rows is not None),
+                         micro_batch_time(plan, mb))
         f, t = cache[mb]
         for k, v in f.items():
             executed[k] += v

@@ -188,8 +188,9 @@ def measure_activations(size: str, recompute: str, p: int, n: int, r: int, pgs, 
     """(bytes saved for backward, live peak of forward + backward) of one DualKV group."""
     import megatron_dualkv.ops.reference_backend as reference_backend
 
-    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if recompute == "full" else {}
+    extra = {"full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+             "selective": dict(recompute_granularity="selective"),  # Megatron's default: core_attn
+             "none": {}}[recompute]
     _, model = tiny_model(size, pgs, **extra)
     layout = one_group(p, n, r)
     # gradients go to a preallocated fp32 buffer (as Megatron DDP's main_grad), not to new tensors
@@ -223,8 +224,8 @@ def measure_activations(size: str, recompute: str, p: int, n: int, r: int, pgs, 
     return sum(saved.values()), tracker.peak
 
 
-@pytest.mark.parametrize("size,recompute", [("tiny", "none"), ("tiny", "full"), ("tiny-moe", "none"),
-                                            ("tiny-moe", "full")])
+@pytest.mark.parametrize("size,recompute", [("tiny", "none"), ("tiny", "selective"), ("tiny", "full"),
+                                            ("tiny-moe", "none"), ("tiny-moe", "full")])
 def test_saved_activations_and_peak_match_the_planner(megatron_cpu, monkeypatch, size, recompute):
     p, n, r = 100, 6, 30
     saved, peak = measure_activations(size, recompute, p, n, r, megatron_cpu, monkeypatch)
@@ -306,6 +307,12 @@ def test_sharding_of_weights_optimizer_and_logits():
         for tp in (1, 4):
             plan = make_plan(shape, Parallel(tp=tp, ep=8, dp=16 // tp), Workload(n, p, r, dualkv=dualkv))
             assert plan.memory["logits"] == 4 * rows * shape.vocab_size / tp  # fp32 [rows, vocab/TP]
+    # what-if chunked logits: nothing held, one chunk's transient, one more output-layer forward
+    work = Workload(n, p, r)
+    whole = make_plan(shape, Parallel(ep=8, dp=16), work)
+    chunked = make_plan(shape, Parallel(ep=8, dp=16), work, impl=Implementation(logits_chunk_rows=256))
+    assert chunked.memory["logits"] == 0 and chunked.memory["total"] < whole.memory["total"]
+    assert chunked.flops["logits"] == pytest.approx(whole.flops["logits"] * 4 / 3)
 
 
 def test_layouts_megatron_refuses_are_refused():
