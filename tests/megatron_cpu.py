@@ -226,6 +226,46 @@ def all_to_all_split_sizes_as_lists() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def uneven_collectives_on_gloo() -> Iterator[None]:
+    """all_gather into, and reduce_scatter from, tensors of different sizes, which gloo lacks.
+
+    Under TP x EP the alltoall dispatcher gathers the routed tokens over the TP group with
+    per-rank counts (`gather_from_sequence_parallel_region(..., output_split_sizes)`), and its
+    backward reduce-scatters them with the same uneven split. NCCL takes uneven tensor lists;
+    gloo needs equal sizes (and has no list reduce_scatter). Emulated exactly: the gather pads
+    every piece to the largest and slices; the reduce-scatter all-reduces the concatenation and
+    keeps this rank's piece. Even-sized calls go to torch unchanged."""
+    stock_all_gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return stock_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        if async_op:
+            raise NotImplementedError("uneven all_gather on gloo: async_op is not emulated")
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in tensor_list]
+        stock_all_gather(pieces, padded, group=group)
+        for out, piece in zip(tensor_list, pieces):
+            out.copy_(piece[: out.shape[0]])
+        return None
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            raise NotImplementedError("reduce_scatter on gloo: async_op is not emulated")
+        full = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(full, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(full[start: start + output.numel()].view_as(output))
+        return None
+
+    with _patched(dist, "all_gather", all_gather), _patched(dist, "reduce_scatter", reduce_scatter):
+        yield
+
+
+@contextlib.contextmanager
 def cuda_runtime_as_cpu() -> Iterator[None]:
     """torch.cuda entry points that Megatron calls unconditionally, answered for a CPU.
 
@@ -302,6 +342,7 @@ def megatron_cpu_shims() -> Iterator[None]:
         stack.enter_context(cuda_runtime_as_cpu())
         stack.enter_context(sequence_parallel_torch_norm())
         stack.enter_context(all_to_all_split_sizes_as_lists())
+        stack.enter_context(uneven_collectives_on_gloo())
         stack.enter_context(cuda_rng_state_on_cpu())
         stack.enter_context(CudaPlacementOnCpu())
         yield

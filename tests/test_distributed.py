@@ -381,8 +381,9 @@ def assert_grads_equal(full: dict, reference: dict, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def workers():
-    # timeout per task (~1 s each on an idle machine); a hang fails after it instead of blocking CI
-    with GlooWorkers(2, timeout_s=240) as w:
+    # 4 workers: most tests use ranks 0-1, the TP x EP test all four. Timeout per task (~1 s each
+    # on an idle machine); a hang fails after it instead of blocking CI.
+    with GlooWorkers(4, timeout_s=240) as w:
         yield w
 
 
@@ -395,9 +396,10 @@ def reference(workers, case: Case, microbatches: list, kind: str = "dualkv",
 
 
 def parallel(workers, case: Case, microbatches_per_replica: list, weights: dict) -> list:
-    """The DualKV step of `case` on 2 ranks (replicated logprobs alongside unless SP), optimizer step."""
+    """The DualKV step of `case` on tp x (number of replicas) ranks (replicated logprobs alongside
+    unless SP), optimizer step."""
     return workers.run(train_step, case, microbatches_per_replica, weights, "dualkv",
-                       not case.sequence_parallel, True)
+                       not case.sequence_parallel, True, world_size=case.tp * len(microbatches_per_replica))
 
 
 def reference_grads(ref: dict, key: str = "grads") -> dict:
@@ -518,6 +520,25 @@ def test_ep2_equals_ep1(workers, router):
     check_step(out, ref, "EP=2")
 
 
+def test_tp2_x_ep2_equals_tp1_ep1(workers):
+    """4 ranks, Qwen3-MoE style: TP=2 with sequence parallelism for attention, the 4 experts over
+    EP=2 with expert TP=2 (the dispatcher gathers routed tokens over TP with uneven counts), and
+    2 DP replicas for the dense weights, each with its own micro-batch."""
+    case = Case(tp=2, ep=2, sequence_parallel=True, moe=True)
+    mbs = per_replica_microbatches(4)
+    ref = reference(workers, case, mbs)
+    out = parallel(workers, case, [[mbs[0]], [mbs[1]]], ref["initial"])
+    assert len(out) == 4
+    for res in out:
+        r = _dp_index(case, res["rank"])
+        assert_close(res["logprobs"][0], ref["logprobs"][r], f"rank {res['rank']}: logprobs of micro-batch {r}")
+        assert_close(res["loss_sums"][0], ref["loss_sums"][r], f"rank {res['rank']}: loss of micro-batch {r}")
+    # router losses are TP-reduced on every rank: one rank per replica, summed
+    summed = {k: out[0]["router_losses"][k] + out[2]["router_losses"][k] for k in out[0]["router_losses"]}
+    check_router_losses(summed, ref["router_losses"], "summed over the 2 replicas", True)
+    check_step(out, ref, "TP=2 x EP=2")
+
+
 def test_dp2_grads_equal_single_rank_sum(workers):
     """Two DP replicas, each its own micro-batch; after Megatron's DDP all-reduce and
     finalize_model_grads (division by the all-reduced token count) the gradients equal the
@@ -613,11 +634,12 @@ def _rank():
 def test_launcher_reports_a_failing_rank_with_its_traceback(workers):
     # rank 0 fails too (its barrier loses rank 1); the root cause must be in the message
     with pytest.raises(AssertionError, match=r"(?s)rank\(s\) \[(0, )?1\].*--- rank 1 ---.*deliberate failure on rank 1"):
-        workers.run(_fail_on_rank_1)
-    assert workers.run(_rank) == [(0, 2), (1, 2)], "workers restart after a failure"
+        workers.run(_fail_on_rank_1, world_size=2)
+    assert workers.run(_rank, world_size=2) == [(0, 2), (1, 2)], "workers restart after a failure"
 
 
 def test_launcher_times_out_on_a_hang(workers):
+    assert workers.run(_rank, world_size=2) == [(0, 2), (1, 2)]  # warm: the next task starts at once
     # rank 1 returns at once; on a loaded machine it may still be running when rank 0 times out
     with pytest.raises(TimeoutError, match=r"_hang_on_rank_0: ranks \[0(, 1)?\] did not finish within 5s"):
-        workers.run(_hang_on_rank_0, timeout_s=5)
+        workers.run(_hang_on_rank_0, timeout_s=5, world_size=2)
