@@ -191,14 +191,6 @@ def run_cpu(argv: list[str]) -> int:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from megatron_cpu import cuda_rng_state_on_cpu, megatron_cpu_shims, model_parallel
 
-    from megatron_dualkv.training.args import loss_config_from_args
-    from megatron_dualkv.training.log import StepLog
-    from megatron_dualkv.training.providers import (build_policy_model, model_config_from_args,
-                                                    rollout_stream_from_args)
-    from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
-    from megatron_dualkv.training.step import PolicyForwardStep
-    from megatron_dualkv.training.throughput import ModelShape
-
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     logging.getLogger("megatron").setLevel(logging.WARNING)  # DDP bucket and optimizer-config dumps
     # Megatron's fused bias-dropout-add and SwiGLU are torch.compile'd (jit_fuser): on a CPU that
@@ -211,21 +203,24 @@ def run_cpu(argv: list[str]) -> int:
         with megatron_cpu_shims(), cuda_rng_state_on_cpu(), \
                 model_parallel(tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
                                etp=args.expert_tensor_parallel_size, seed=args.seed) as pgs:
-            return _cpu_job(args, pgs, torch, build_policy_model, model_config_from_args, rollout_stream_from_args,
-                            build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps,
-                            PolicyForwardStep, StepLog, ModelShape, loss_config_from_args)
+            return cpu_job(args, pgs)
     finally:
         dist.destroy_process_group()
 
 
-def _cpu_job(args, pgs, torch, build_policy_model, model_config_from_args, rollout_stream_from_args,
-             build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps, PolicyForwardStep, StepLog,
-             ModelShape, loss_config_from_args) -> int:
+def cpu_job(args, pgs) -> int:
+    """The training job on Megatron-Core's schedule and optimizer (runner.train_steps)."""
     import time
 
+    import torch
     from tqdm import tqdm
 
-    from megatron_dualkv.training.step import OldLogprobCache, ReferencePolicy
+    from megatron_dualkv.training.args import loss_config_from_args
+    from megatron_dualkv.training.log import StepLog
+    from megatron_dualkv.training.providers import build_policy_model, model_config_from_args, rollout_stream_from_args
+    from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
+    from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, ReferencePolicy
+    from megatron_dualkv.training.throughput import ModelShape
 
     t_start = time.perf_counter()
     cfg = model_config_from_args(args)

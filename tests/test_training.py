@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 
 from megatron_dualkv.data import DEFAULT_ROLLOUTS, RolloutGroup, read_rollouts
 from megatron_dualkv.layout import Group, build_layout
-from megatron_dualkv.loss import PolicyBatch, PolicyLossConfig, policy_loss
+from megatron_dualkv.loss import PolicyLossConfig, policy_loss
 from megatron_dualkv.packing import PackingConfig
 from megatron_dualkv.training.args import check_parallelism
 from megatron_dualkv.training.data import RolloutStepStream
