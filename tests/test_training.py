@@ -166,6 +166,35 @@ def test_forward_step_and_loss_func_equal_the_replicated_batch(gloo, size):
     assert_grads_close(gd, gr, **tol, what=f"{size} DualKV vs replicated")
 
 
+@pytest.mark.parametrize("size", ["tiny", "tiny-moe"])
+def test_flop_model_counts_the_matrices_a_token_passes_through(gloo, size):
+    """token_matmul_flops == 2 x the weights of every matrix a token multiplies (experts: top-k of
+    them), read off the built model; a step adds the logits at the loss rows and the pairs."""
+    from megatron_dualkv.flops import attention_flops
+    from megatron_dualkv.training.throughput import ModelShape
+    from megatron_dualkv.training.data import StepTotals
+
+    stack, pgs = runtime()
+    with stack:
+        cfg = tiny_config(size)
+        model = build(cfg, True, pgs, seed=1)
+        t = cfg.transformer
+        per_token = 0.0
+        for name, p in model.named_parameters():
+            if p.dim() != 2 or "embedding" in name or "output_layer" in name:
+                continue
+            share = t.moe_router_topk / t.num_moe_experts if "local_experts" in name else 1.0
+            per_token += 2.0 * p.numel() * share
+        shape = ModelShape.of(t, cfg.vocab_size)
+    assert shape.token_matmul_flops() == pytest.approx(per_token, rel=1e-12)
+    totals = StepTotals(groups=1, responses=2, packed_tokens=10, replicated_tokens=16, loss_edges=4,
+                        attention_pairs=40, replicated_attention_pairs=70, micro_batches_per_rank=1)
+    want = 3 * (10 * per_token + 4 * 2 * t.hidden_size * cfg.vocab_size) + t.num_layers * attention_flops(
+        40, t.num_attention_heads, t.kv_channels, backward=True)
+    assert shape.useful_flops(totals) == pytest.approx(want, rel=1e-12)
+    assert shape.replicated_flops(totals) > shape.useful_flops(totals)
+
+
 # ------------------------------------------------------------------------------------------------
 # Token-level normalisation through Megatron's schedule
 # ------------------------------------------------------------------------------------------------
