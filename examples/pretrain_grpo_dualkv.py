@@ -38,15 +38,14 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|transformer-eng
 logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
 
-# The embedded default job (what `make demo` runs). Megatron requires a few flags it does not use
-# here (seq-length: micro-batches are packed to --max-tokens-per-micro-batch instead).
+# The embedded default job (what `make demo` runs).
 DEMO_ARGV = [
     "--demo", "--model-size", "tiny", "--vocab-size", "512",
     "--groups-per-step", "8", "--max-tokens-per-micro-batch", "512", "--updates-per-batch", "2",
     "--kl-beta", "0.05", "--kl-reference", "initial",
     "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
     "--lr", "3e-3", "--min-lr", "3e-3", "--lr-decay-style", "constant", "--weight-decay", "0.0",
-    "--seed", "1234", "--seq-length", "512",
+    "--seed", "1234",
 ]
 
 # Always set: the data path and the loss convention of our forward_step (Megatron must divide by
@@ -66,7 +65,9 @@ def build_argv(argv: list[str]) -> list[str]:
     size = _flag_value(argv, "--model-size")
     vocab = _flag_value(argv, "--vocab-size")
     front = preset_argv(size, int(vocab) if vocab else None) if size else []
-    defaults = [x for flag, value in DEFAULT_ARGV.items() if _flag_value(argv, flag) is None for x in (flag, value)]
+    # Megatron requires --seq-length; here it is only the packed micro-batch length budget
+    per_run = {**DEFAULT_ARGV, "--seq-length": _flag_value(argv, "--max-tokens-per-micro-batch") or "4096"}
+    defaults = [x for flag, value in per_run.items() if _flag_value(argv, flag) is None for x in (flag, value)]
     return front + defaults + argv + FORCED_ARGV + _without_te_argv(argv)
 
 
