@@ -149,24 +149,43 @@ def run_pretrain(argv: list[str]) -> int:
     from megatron_dualkv.training.args import loss_config_from_args
     from megatron_dualkv.training.log import StepLog
     from megatron_dualkv.training.providers import datasets_provider, model_provider, model_shape_from_args
-    from megatron_dualkv.training.step import PolicyForwardStep
+    from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, frozen_copy
     from megatron_dualkv.training.throughput import peak_tflops
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     skip_dataset_helper_build()
     args = parse_megatron_args(argv, quiet=False)
-    if args.kl_reference == "initial" or args.updates_per_batch != 1:
-        raise ValueError("--kl-reference initial and --updates-per-batch > 1 are supported by the CPU runner only; "
-                         "on GPUs give the reference and old-policy logprobs in the rollout file (docs/DATA.md)")
+    # Neither the initial policy (--kl-reference initial) nor the old logprobs recorded at a rollout
+    # batch's first pass (--updates-per-batch) are part of Megatron's checkpoint: refuse a resume
+    # that would need them (the CPU runner's checkpoints hold both).
+    if args.load and not args.finetune:
+        tracker = os.path.join(args.load, "latest_checkpointed_iteration.txt")  # Megatron's tracker file
+        text = open(tracker).read().strip() if os.path.isfile(tracker) else "0"
+        start = int(text) if text.isdigit() else 0  # "release": a starting point, iteration 0
+        if args.kl_reference == "initial" and start > 0:
+            raise ValueError(f"--kl-reference initial cannot resume at iteration {start}: the initial policy is not in "
+                             f"Megatron's checkpoint; give reference logprobs in the rollouts (--kl-reference data)")
+        if start % args.updates_per_batch:
+            raise ValueError(f"resuming at iteration {start}, inside a rollout batch of --updates-per-batch "
+                             f"{args.updates_per_batch}: the old logprobs of its first pass are not in Megatron's "
+                             f"checkpoint; save at multiples of {args.updates_per_batch}")
     log = StepLog(
         model_shape_from_args(args),
         dp_group=lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
         world_size=args.world_size, peak_tflops=peak_tflops(args.peak_tflops), dualkv=not args.no_dualkv,
         sink=rank0_sink(args), sync=torch.cuda.synchronize,
     )
-    forward_step = PolicyForwardStep(loss_config_from_args(args), dualkv=not args.no_dualkv,
-                                     temperature=args.temperature, log=log)
+    dualkv = not args.no_dualkv
+    reference_factory = None
+    if args.kl_reference == "initial":
+        # a frozen copy of the weights the run starts with (after Megatron's --load), built at the
+        # first micro-batch with the same provider and parallel groups: one more model in memory
+        reference_factory = lambda core: frozen_copy(
+            core, lambda: model_provider(pg_collection=core.pg_collection), dualkv=dualkv, temperature=args.temperature)
+    forward_step = PolicyForwardStep(loss_config_from_args(args), dualkv=dualkv, temperature=args.temperature, log=log,
+                                     reference_factory=reference_factory,
+                                     old_logprobs=OldLogprobCache() if args.updates_per_batch > 1 else None)
     # A step ends when Megatron's optimizer has stepped: close the log's step there (the hook fires
     # once per inner optimizer; the first closes the step, the others find none open).
     from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -7,7 +7,9 @@
   mean, equal to one micro-batch holding everything and to policy_loss computed directly.
 - The CPU runner's checkpoint (torch.save of model, optimizer, reference policy, old-logprob
   cache) resumes to exactly the losses of an uninterrupted run.
-- The script's main job runs end to end (subprocess, 2 steps) and writes a checkpoint.
+- The script's main job runs end to end (subprocess, 2 steps), writes a checkpoint, and gives the
+  same step records as the same job through megatron.training.pretrain() on CPU.
+- pretrain() saves Megatron checkpoints and resumes from them to the same next loss.
 """
 
 from __future__ import annotations
@@ -297,13 +299,20 @@ def test_resume_from_checkpoint_reproduces_the_next_losses_exactly(gloo, tmp_pat
 # The main job, and errors
 # ------------------------------------------------------------------------------------------------
 
-def test_the_cpu_main_job_runs_end_to_end(tmp_path):
+def test_the_cpu_main_job_runs_end_to_end_and_matches_the_pretrain_path(tmp_path):
+    """The default job (2 of its steps: the second is its off-policy update with KL to the initial
+    policy) on the CPU runner, and the same job through pretrain() (tests/pretrain_on_cpu.py):
+    the same step records."""
+    import json
+
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MEGATRON_DUALKV_CPU_RUNNER="1")
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("MASTER_PORT", None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(k, None)
     save = tmp_path / "ckpt"
+    job = ["--demo", "--train-iters", "2", "--groups-per-step", "4"]
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "pretrain_grpo_dualkv.py"), "--demo", "--train-iters", "2",
-         "--groups-per-step", "4", "--save", str(save), "--save-interval", "2"],
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_grpo_dualkv.py"), *job,
+         "--save", str(save), "--save-interval", "2", "--step-log", str(tmp_path / "cpu.jsonl")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [l for l in proc.stdout.splitlines() if l.lstrip().startswith("step ") and "| loss" in l]
@@ -311,6 +320,13 @@ def test_the_cpu_main_job_runs_end_to_end(tmp_path):
     for key in ("loss", "kl", "clip", "tok/s", "dedup", "MFU"):
         assert all(key in l for l in lines), (key, lines)
     assert (save / "rank00000.pt").exists()
+
+    cpu = [json.loads(l) for l in open(tmp_path / "cpu.jsonl")]
+    pre = _run_pretrain_on_cpu(job, tmp_path / "pretrain.jsonl", defaults=False)
+    assert cpu[1]["kl"] > 0 and cpu[1]["clip_fraction"] > 0
+    for a, b in zip(cpu, pre, strict=True):
+        for k in ("loss", "kl", "clip_fraction", "ratio", "dedup_ratio"):
+            assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (a["step"], k, a[k], b[k])
 
 
 def off_policy_rollouts(path) -> str:
@@ -328,15 +344,16 @@ def off_policy_rollouts(path) -> str:
     return str(path)
 
 
-def _run_pretrain_on_cpu(args: list[str], step_log) -> list[dict]:
+def _run_pretrain_on_cpu(args: list[str], step_log, defaults: bool = True) -> list[dict]:
     import json
 
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "pretrain_on_cpu.py"), "--demo",
-                           "--kl-reference", "data", "--kl-beta", "0.05", "--updates-per-batch", "1",
-                           "--groups-per-step", "4", "--train-iters", "3", "--step-log", str(step_log), *args],
+    base = ["--demo", "--kl-reference", "data", "--kl-beta", "0.05", "--updates-per-batch", "1",
+            "--groups-per-step", "4", "--train-iters", "3"] if defaults else []
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "pretrain_on_cpu.py"), *base, *args,
+                           "--step-log", str(step_log)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     # Megatron's own exits (sys.exit() without a code) hide failures behind status 0: read the log

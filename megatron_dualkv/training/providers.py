@@ -120,6 +120,7 @@ def datasets_provider(train_val_test_num_samples):
     stream = rollout_stream_from_args(
         args, dp_size=parallel_state.get_data_parallel_world_size(), dp_rank=parallel_state.get_data_parallel_rank(),
         micro_batches_per_step=get_num_microbatches(), shape=model_shape_from_args(args),
+        updates_per_batch=args.updates_per_batch,
         device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
     )
     return stream.iterate(start_step=args.iteration), None, None

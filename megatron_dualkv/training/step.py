@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -80,6 +80,17 @@ class ReferencePolicy:
         return policy_logprobs(self.model, layout, dualkv=self.dualkv, temperature=self.temperature).detach()
 
 
+def frozen_copy(model: torch.nn.Module, build: Callable[[], torch.nn.Module], *, dualkv: bool,
+                temperature: float = 1.0) -> ReferencePolicy:
+    """A ReferencePolicy holding a copy of `model`'s current weights in a model made by `build`
+    (same class, parallel groups, device and dtype)."""
+    p = next(model.parameters())
+    ref = build().to(device=p.device, dtype=p.dtype)
+    ref.load_state_dict(model.state_dict())
+    ref.eval()
+    return ReferencePolicy(ref, dualkv=dualkv, temperature=temperature)
+
+
 class OldLogprobCache:
     """Old-policy logprobs recorded at a rollout batch's first pass, keyed by (batch, slot)."""
 
@@ -109,12 +120,16 @@ class PolicyForwardStep:
 
     def __init__(self, loss_config: PolicyLossConfig, *, dualkv: bool = True, temperature: float = 1.0,
                  log: Optional["StepLog"] = None, reference: Optional[ReferencePolicy] = None,
+                 reference_factory: Optional[Callable[[torch.nn.Module], ReferencePolicy]] = None,
                  old_logprobs: Optional[OldLogprobCache] = None):
+        """reference_factory: builds the reference policy from the (unwrapped) model at the first
+        micro-batch, i.e. from the weights the run starts with (pretrain() builds the model itself)."""
         self.loss_config = loss_config
         self.dualkv = dualkv
         self.temperature = temperature
         self.log = log
         self.reference = reference
+        self.reference_factory = reference_factory
         self.old_cache = old_logprobs
 
     def __call__(self, data_iterator, model):
@@ -123,6 +138,8 @@ class PolicyForwardStep:
             raise TypeError(f"the data iterator must yield StepItem (training.data), got {type(item).__name__}")
         core = unwrap_model(model)
         device = _device_of(core)
+        if self.reference is None and self.reference_factory is not None:
+            self.reference = self.reference_factory(core)
         if self.log is not None:
             self.log.begin_micro_batch(item)
         if item.micro_batch is None:
