@@ -387,9 +387,9 @@ class Workload:
 def layer_activation_terms(shape: ModelShape, impl: Implementation) -> dict:
     """Bytes saved for backward per token of one layer, by term, before any sharding.
 
-    Each term says where it comes from; `sharded_by_tp` lists the terms divided by TP without
-    sequence parallelism (the others are per-token values every TP rank holds unless SP shards the
-    sequence). MoE expert terms are per (token, expert) pair and multiplied by top-k here.
+    `layer_bytes_per_token` shards them: the hidden-sized terms of _SEQUENCE_TERMS are divided by TP
+    only under sequence parallelism (every TP rank holds them otherwise), the head- and FFN-sized
+    ones always. MoE expert terms are per (token, expert) pair, multiplied by top-k here.
     """
     h, d = shape.hidden_size, shape.kv_channels
     hq, hkv = shape.num_attention_heads, shape.num_query_groups
@@ -423,8 +423,6 @@ def layer_activation_terms(shape: ModelShape, impl: Implementation) -> dict:
         f = shape.ffn_hidden_size
         t["fc1_input"] = 2 * h
         t["mlp"] = 6 * f if impl.swiglu == "fused" else 10 * f  # fc1 out 4f, (silu 2f, x+0 2f,) fc2 in 2f
-    if shape.is_moe:
-        t["fc1_input"] = 0
     return t
 
 
