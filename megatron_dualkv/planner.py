@@ -343,7 +343,8 @@ class Workload:
                     raise ValueError(f"max_tokens {self.max_tokens} cannot hold the prompt ({p}) and one response ({r})")
         if per_mb is not None and per_mb < n:
             parts = math.ceil(n / per_mb)
-            sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]  # the packer's even split
+            # even sizes; the packer fills pieces greedily (same count, a smaller last piece)
+            sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
             out = []
             for s in sizes:
                 pairs, _ = group_pairs(p, [r] * s)
