@@ -55,10 +55,10 @@ def add_dualkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-advantage-std", action="store_true", help="do not divide advantages by the group std")
     g.add_argument("--updates-per-batch", type=int, default=1,
                    help="optimizer steps per rollout batch; old logprobs missing from the rollouts are recorded at "
-                        "the batch's first pass (CPU runner)")
+                        "the batch's first pass")
     g.add_argument("--kl-reference", choices=("data", "initial"), default="data",
                    help="reference logprobs for the KL: from the rollout file, or from a frozen copy of the initial "
-                        "policy when the file has none (CPU runner)")
+                        "policy when the file has none")
     g.add_argument("--no-dualkv", action="store_true",
                    help="replicated baseline: every [prompt | response] its own row through stock Megatron")
     g.add_argument("--model-size", choices=MODEL_SIZES, default=None,

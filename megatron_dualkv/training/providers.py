@@ -91,7 +91,7 @@ def rollout_stream_from_args(args, *, dp_size: int, dp_rank: int, micro_batches_
         if missing is not None:
             raise ValueError(f"--kl-beta {args.kl_beta} needs reference logprobs, but group {missing!r} of {path} has "
                              f"none: add ref_logprobs to the rollouts (docs/DATA.md), set --kl-beta 0, or use "
-                             f"--kl-reference initial (CPU runner)")
+                             f"--kl-reference initial")
     pad = pad_to_multiple(args)
     weights = {}
     if shape is not None:  # balance ranks by fwd+bwd FLOPs (tokens and attention pairs)
