@@ -40,7 +40,7 @@ def timed(fn, reps):
     return statistics.median(ts)
 
 
-IMPLS = ("mma", "sm90", "sm90v1")
+IMPLS = ("mma", "sm90", "sm90v1", "ws")
 BWD = ("mma", "sm90")
 
 
@@ -49,13 +49,21 @@ def main():
     quick = "--quick" in sys.argv
     if "--default-only" in sys.argv:  # forward: only the default v1 kernel (both backward variants)
         IMPLS = ("sm90v1",)
+    if "--ws" in sys.argv:  # forward: the default v1 kernel and the warp-specialized one
+        IMPLS = ("sm90v1", "ws")
+    if "ws" in IMPLS and not cuda_backend._has_op("fwd_ws_sm90"):
+        cuda_backend.is_available()  # loads the extension
+        if not cuda_backend._has_op("fwd_ws_sm90"):
+            IMPLS = tuple(i for i in IMPLS if i != "ws")
     hq, hkv, d = 32, 8, 128
     print(f"device: {torch.cuda.get_device_name()}")
-    print("fwd: mma = mma.sync kernel, v0 = wgmma 128-key tiles 1 CTA/SM, v1 = wgmma 64-key tiles 2 CTAs/SM (default); "
+    print("fwd: mma = mma.sync kernel, v0 = wgmma 128-key tiles 1 CTA/SM, v1 = wgmma 64-key tiles 2 CTAs/SM (default), "
+          "ws = warp-specialized (TMA producer + 2 ping-pong consumers; fwd+bwd ws = fwd ws + bwd fast); "
           "bwd (after the v1 forward): det = wgmma dK/dV + dQ kernels, fast = wgmma dK/dV with fp32 atomic dQ (default)")
     print("| N | P | R | fwd ms mma | fwd ms v0 | fwd ms v1 | bwd ms det | bwd ms fast | fwd+bwd ms det | fwd+bwd ms fast | "
-          "fwd TF/s mma | fwd TF/s v0 | fwd TF/s v1 | fwd+bwd TF/s det | fwd+bwd TF/s fast | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "fwd TF/s mma | fwd TF/s v0 | fwd TF/s v1 | fwd+bwd TF/s det | fwd+bwd TF/s fast | peak GiB | "
+          "fwd ms ws | fwd TF/s ws | fwd+bwd TF/s ws+fast |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (2048, 1024):
         for n, p in SHAPES:
             seg = layout(n, p, r)
@@ -90,11 +98,12 @@ def main():
             peak = torch.cuda.max_memory_allocated() / 2**30
             fl = 4 * d * hq * pairs(n, p, r)
             nan = float("nan")
-            fm, f0, f1 = f_ms.get("mma", nan), f_ms.get("sm90", nan), f_ms["sm90v1"]
+            fm, f0, f1, fw = f_ms.get("mma", nan), f_ms.get("sm90", nan), f_ms["sm90v1"], f_ms.get("ws", nan)
             bd, bf = fb_ms["mma"], fb_ms.get("sm90", nan)
             print(f"| {n} | {p} | {r} | {fm:.1f} | {f0:.1f} | {f1:.1f} | {bd - f1:.1f} | {bf - f1:.1f} | {bd:.1f} | "
                   f"{bf:.1f} | {fl / fm / 1e9:.0f} | {fl / f0 / 1e9:.0f} | {fl / f1 / 1e9:.0f} | {3.5 * fl / bd / 1e9:.0f} | "
-                  f"{3.5 * fl / bf / 1e9:.0f} | {peak:.1f} |", flush=True)
+                  f"{3.5 * fl / bf / 1e9:.0f} | {peak:.1f} | {fw:.1f} | {fl / fw / 1e9:.0f} | "
+                  f"{3.5 * fl / (bf - f1 + fw) / 1e9:.0f} |", flush=True)
             del q, k, v, do
             q = k = v = None
             torch.cuda.empty_cache()

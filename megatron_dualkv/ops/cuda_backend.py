@@ -15,6 +15,9 @@ Kernels (sm_90a, Hopper; see docs/PERF.md "CUDA kernel"):
     deterministic=False: dQ accumulated in fp32 by the dK/dV kernel with atomics (faster;
                          workspace fp32 [T, Hq, D]); MEGATRON_DUALKV_ATOMIC_DQ=0 turns it off.
 - `fwd` / `bwd`: the first, mma.sync (sm_80-style) kernels, kept as fwd_impl/bwd_impl="mma".
+- `fwd_ws_sm90` (opt-in, fwd_impl="ws" or MEGATRON_DUALKV_CUDA_FWD=ws): warp-specialized forward,
+  a TMA producer warp and two consumer warpgroups in ping-pong (csrc/dualkv_fwd_ws_sm90.cu);
+  the backward is the sm90 one.
 
 Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
 on the host once per layout and cached on the `SegmentTable`; any segment lengths (tails masked).
@@ -193,15 +196,23 @@ def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, 
     return segments.cached(("cuda_backend_work", str(device)), build)
 
 
-FWD_IMPLS = ("sm90", "mma")
+FWD_IMPLS = ("sm90", "mma", "ws")  # "ws": warp-specialized forward, opt-in
 BWD_IMPLS = ("sm90", "mma")
 
 
-def _impl(name: Optional[str], env: str, what: str) -> str:
+def _impl(name: Optional[str], env: str, what: str, choices: tuple = FWD_IMPLS) -> str:
     name = name or os.environ.get(env) or "sm90"
-    if name not in FWD_IMPLS:
-        raise ValueError(f"unknown {what} kernel {name!r}; choose one of {FWD_IMPLS}")
+    if name not in choices:
+        raise ValueError(f"unknown {what} kernel {name!r}; choose one of {choices}")
     return name
+
+
+def _has_op(name: str) -> bool:
+    try:
+        getattr(torch.ops.megatron_dualkv, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +233,8 @@ def _register_python_side() -> None:
 
     torch.library.register_fake("megatron_dualkv::fwd")(_fwd_fake)
     torch.library.register_fake("megatron_dualkv::fwd_sm90")(_fwd_fake)
+    if _has_op("fwd_ws_sm90"):  # absent from extensions built before it existed
+        torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_fake)
 
     def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -233,7 +246,10 @@ def _register_python_side() -> None:
 class _DualKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rw, rw128, kw, kw128, kr, scale, deterministic, fwd_sm90, bwd_sm90):
-        if fwd_sm90:
+        # fwd_sm90: True (wgmma), False (mma.sync) or "ws" (warp-specialized wgmma)
+        if fwd_sm90 == "ws":
+            out, lse = torch.ops.megatron_dualkv.fwd_ws_sm90(q, k, v, rw128, scale)
+        elif fwd_sm90:
             out, lse = torch.ops.megatron_dualkv.fwd_sm90(q, k, v, rw128, scale)
         else:
             out, lse = torch.ops.megatron_dualkv.fwd(q, k, v, rw, scale)
@@ -282,15 +298,20 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
             bwd_impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """(out [T, Hq, D], lse [Hq, T] float32). Differentiable in q, k, v through `out`.
 
-    fwd_impl / bwd_impl: "sm90" (wgmma, default) or "mma" (mma.sync kernels);
-    $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD set the defaults.
+    fwd_impl / bwd_impl: "sm90" (wgmma, default) or "mma" (mma.sync kernels); fwd_impl "ws":
+    the warp-specialized forward (opt-in); $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD
+    set the defaults.
     """
     _check(q, k, v, segments)
     fi = _impl(fwd_impl, "MEGATRON_DUALKV_CUDA_FWD", "forward")
-    bi = _impl(bwd_impl, "MEGATRON_DUALKV_CUDA_BWD", "backward")
+    bi = _impl(bwd_impl, "MEGATRON_DUALKV_CUDA_BWD", "backward", BWD_IMPLS)
+    if fi == "ws" and not _has_op("fwd_ws_sm90"):
+        raise RuntimeError("DualKV CUDA backend: fwd_impl='ws' needs op megatron_dualkv::fwd_ws_sm90; the loaded "
+                           "extension predates it: rebuild (python csrc/build_ext.py or pip install -e .)")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     rw, rw128, kw, kw128, kr = work_tensors(segments, q.device)
-    return _DualKVFunction.apply(q, k, v, rw, rw128, kw, kw128, kr, scale, bool(deterministic), fi == "sm90",
+    fwd_kind = "ws" if fi == "ws" else fi == "sm90"
+    return _DualKVFunction.apply(q, k, v, rw, rw128, kw, kw128, kr, scale, bool(deterministic), fwd_kind,
                                  bi == "sm90")
 
 

@@ -161,8 +161,10 @@ def poison_allocator(nbytes):
 def run_kernel(q, k, v, dout, seg, scale, deterministic=False, impl=None):
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
+    # impl names a forward; the backward is the same kernel family ("ws" has no backward of its own)
+    bwd = impl if impl in cuda_backend.BWD_IMPLS else ("sm90" if impl else None)
     out, lse = cuda_backend.forward(qq, kk, vv, seg, scale, deterministic=deterministic, fwd_impl=impl,
-                                    bwd_impl=impl)
+                                    bwd_impl=bwd)
     out.backward(dout)
     torch.cuda.synchronize()
     return out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad
@@ -222,14 +224,16 @@ def test_matches_lead_reference_small():
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["0", "1"])
+@pytest.mark.parametrize("variant", ["0", "1", "ws"])
 @pytest.mark.parametrize("d", [128, 64])
 def test_forward_kernels_agree(variant, d, monkeypatch):
-    """The wgmma forward (both tile variants) and the mma.sync forward compute the same function."""
-    monkeypatch.setenv("MEGATRON_DUALKV_SM90_FWD_VARIANT", variant)
+    """The wgmma forwards (both tile variants, and the warp-specialized "ws") and the mma.sync
+    forward compute the same function."""
+    if variant != "ws":
+        monkeypatch.setenv("MEGATRON_DUALKV_SM90_FWD_VARIANT", variant)
     seg = make_segments([(1000, [1, 129, 700]), (3, [2] * 5)], pad=9)
     q, k, v, _ = inputs(seg.num_tokens, 32, 8, d, torch.bfloat16, seed=random.randrange(1 << 20))
-    a_out, a_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="sm90")
+    a_out, a_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="ws" if variant == "ws" else "sm90")
     b_out, b_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="mma")
     ex_out, ex_lse = exact(q, k, v, q, seg, 0.08)[:2]
     assert rel(a_out, ex_out) <= rel(b_out, ex_out) * 1.05

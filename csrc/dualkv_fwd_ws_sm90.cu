@@ -1,0 +1,472 @@
+// DualKV forward for Hopper (sm_90a), warp-specialized ("ws"): opt-in, fwd_impl="ws".
+//
+// One CTA = 3 warpgroups for one 128-row query tile of one query head (same row items and
+// contract as dualkv_fwd_sm90.cu):
+//   warpgroup 0, producer: one thread issues TMA loads (cp.async.bulk.tensor, 128-byte swizzle)
+//     of Q once and of every K/V tile (128 rows) into a 3-stage ring; registers cut to 40
+//     (setmaxnreg) so the consumers can have 232.
+//   warpgroups 1, 2, consumers: 64 query rows each. They never meet at a CTA barrier: each
+//     waits on the stage's "full" mbarriers and arrives (lane 0 of each warp) on the stage's
+//     "empty" mbarriers once its MMAs reading K (S = Q K^T) or V (O += P V) have completed.
+// Scheduling (the two ideas of the FlashAttention-3 paper, implemented here from its description):
+//   - intra-warpgroup overlap: per key tile t a consumer issues S_t = Q K_t^T and
+//     O += P_{t-1} V_{t-1} back to back, waits for S_t only, and computes the softmax of S_t
+//     while the P V MMA runs; O is rescaled after that MMA completes.
+//   - ping-pong between the two consumers: issuing the MMAs of a step is a turn passed with
+//     two named barriers (bar.sync on my barrier, bar.arrive on the other's), so one
+//     warpgroup's softmax runs while the other's MMAs occupy the tensor cores.
+//
+// mbarrier phases (key tile t lives in stage t % 3; u = t / 3 counts the stage's uses):
+//   k_full[s], v_full[s]: 1 arrival (the producer's arrive.expect_tx) + the TMA bytes; the
+//     consumers wait for parity u & 1.
+//   k_empty[s], v_empty[s]: 8 arrivals (lane 0 of each consumer warp); the producer waits for
+//     parity (u - 1) & 1 before loading tile t >= 3 into the stage. A consumer cannot release
+//     tile t + 3 before the other has released tile t (tile t + 3 is not loaded before), so the
+//     8 arrivals of one phase always belong to one tile.
+//   q_full: loaded once, parity 0.
+// Named barriers 1 and 2 (256 threads: 128 bar.sync + 128 bar.arrive): consumer 1 arrives once
+// up front, then each consumer passes the turn after each of its n issue sections, except
+// consumer 1 after its last one, so both barriers see equal sync and arrive counts.
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <math.h>
+
+#include "dualkv_kernels.h"
+#include "dualkv_fwd_ws.h"
+#include "sm90_common.h"
+#include "wgmma_ops.h"
+
+namespace mdkv {
+namespace sm90ws {
+
+using sm90::desc;
+using sm90::pack2;
+using sm90::quad_max;
+using sm90::quad_sum;
+using sm90::reg_fence;
+using sm90::smem_addr;
+using sm90::wg_commit;
+using sm90::wg_fence;
+using sm90::wg_wait;
+
+constexpr int kBQ = 128;      // query rows per CTA (2 consumer warpgroups x 64)
+constexpr int kBK = 128;      // key rows per tile
+constexpr int kStages = 3;    // K/V ring depth (D = 128: 32 KB Q + 3 x 64 KB K/V = 224 KB of the 227)
+constexpr int kThreadsWS = 384;
+#ifndef WS_PREGS
+#define WS_PREGS 40
+#define WS_CREGS 232
+#endif
+constexpr int kProducerRegs = WS_PREGS;
+constexpr int kConsumerRegs = WS_CREGS;
+constexpr int kSchedBar = 1;  // named barriers 1, 2: "consumer w may issue its MMAs" (0 is __syncthreads)
+
+// ---------------------------------------------------------------------------------------------
+// mbarrier, TMA, named barriers, register reallocation (PTX)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ uint32_t mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done;
+}
+// Spins until the phase of parity `parity` has completed. (Tried: a clock64 timeout with __trap
+// to turn a phase bug into a launch error; it made ptxas drop the consumers to ~170 registers
+// and spill, so a hang is left to the caller's timeout.)
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// 3-D tiled TMA load (coordinates innermost first: column, head, token) completing on `bar`
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+template <int N>
+__device__ __forceinline__ void reg_fence_u(uint32_t (&x)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+
+// shared memory: Q [kBQ x D], K and V [kStages][kBK x D] (each as D/64 swizzled panels), then
+// the mbarriers; the base is 1024-aligned (the 128-byte swizzle pattern repeats every 1024 bytes)
+template <typename T, int D>
+struct Smem {
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kBQ * D * (int)sizeof(T);
+  static constexpr int kV = kK + kStages * kBK * D * (int)sizeof(T);
+  static constexpr int kBar = kV + kStages * kBK * D * (int)sizeof(T);
+  static constexpr int kBarCount = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+  static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
+};
+
+// ---------------------------------------------------------------------------------------------
+// consumer pieces
+// ---------------------------------------------------------------------------------------------
+
+// S[64 x kBK] = Q_w K^T (issue only)
+template <typename T, int D>
+__device__ __forceinline__ void issue_qk(float (&s)[kBK / 2], const T* sQw, const T* cK) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t da = desc(sQw + (kk >> 2) * kBQ * 64 + (kk & 3) * 16, 16, 1024);
+    const uint64_t db = desc(cK + (kk >> 2) * kBK * 64 + (kk & 3) * 16, 16, 1024);
+    wgmma_ss<kBK, T>(s, da, db, kk > 0 ? 1 : 0);
+  }
+}
+
+// O[64 x D] += P[64 x kBK] V (issue only), P as the register A operand, V N-major
+template <typename T, int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBK / 16][4], const T* cV) {
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    const uint64_t db = desc(cV + kk * 16 * 64, kBK * 64 * (int)sizeof(T), 1024);
+    wgmma_rs_tb<D, T>(o, pa[kk], db, 1);
+  }
+}
+
+// mask S for key tile [k0, k0 + kBK) (parent tail / causal diagonal), then the online softmax:
+// S becomes P (unnormalised, in place), m and l are updated; returns the factor O must be
+// rescaled by (per row half r)
+__device__ __forceinline__ void softmax_step(float (&s)[kBK / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             int k0, bool is_par, int par1, int row_a, int row_w0, int lane,
+                                             float sl2) {
+  const bool msk = is_par ? (k0 + kBK > par1) : (k0 + kBK - 1 > row_w0);
+  if (msk) {
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+        const int row = row_a + (e >> 1) * 8;
+        const bool ok = is_par ? (col < par1) : (col <= row);
+        if (!ok) s[4 * j + e] = -INFINITY;
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    mx = quad_max(mx) * sl2;
+    const float mnew = fmaxf(m[r], mx);
+    const float b = mnew == -INFINITY ? 0.f : mnew;
+    alpha[r] = exp2f(m[r] - b);
+    m[r] = mnew;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j) {
+      const float p0 = exp2f(fmaf(s[4 * j + 2 * r], sl2, -b));
+      const float p1 = exp2f(fmaf(s[4 * j + 2 * r + 1], sl2, -b));
+      s[4 * j + 2 * r] = p0;
+      s[4 * j + 2 * r + 1] = p1;
+      sum += p0 + p1;
+    }
+    l[r] = l[r] * alpha[r] + sum;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    o[4 * j + 0] *= alpha[0];
+    o[4 * j + 1] *= alpha[0];
+    o[4 * j + 2] *= alpha[1];
+    o[4 * j + 3] *= alpha[1];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[kBK / 16][4], const float (&s)[kBK / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// the kernel
+// ---------------------------------------------------------------------------------------------
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreadsWS, 1)
+    fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                  const __grid_constant__ CUtensorMap tm_v, FwdArgs a) {
+  using L = Smem<T, D>;
+  extern __shared__ unsigned char smem_raw[];
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+  T* sQ = reinterpret_cast<T*>(base + L::kQ);
+  T* sK = reinterpret_cast<T*>(base + L::kK);
+  T* sV = reinterpret_cast<T*>(base + L::kV);
+  const uint32_t bar0 = smem_addr(reinterpret_cast<void*>(base + L::kBar));
+  const uint32_t q_full = bar0;
+  auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
+  auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
+  auto k_empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
+  auto stage = [](int t) { return t % kStages; };
+  auto parity = [](int t) { return (uint32_t)((t / kStages) & 1); };  // of key tile t's use of its stage
+
+  const int item = blockIdx.x / a.hq;
+  const int h = blockIdx.x % a.hq;
+  const int hk = h / (a.hq / a.hkv);
+  const int* w = a.work + item * 8;
+  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4];
+  const int n_par = (par1 - par0 + kBK - 1) / kBK;
+  const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // >= 1: q0 >= self0, q1 > q0
+  auto kv_start = [&](int t) { return t < n_par ? par0 + t * kBK : self0 + (t - n_par) * kBK; };
+
+  // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
+  const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), 8);
+      mbar_init(v_empty(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (role == 0) {
+    // ------------------------------- producer -------------------------------
+    regs_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_map(&tm_q);
+      prefetch_map(&tm_k);
+      prefetch_map(&tm_v);
+      constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
+      mbar_expect_tx(q_full, kBQ * D * sizeof(T));
+#pragma unroll
+      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, q0);
+      for (int t = 0; t < n_total; ++t) {
+        const int st = stage(t), k0 = kv_start(t);
+        // stage st last held key tile t - kStages: wait until both consumers released it
+        if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
+        mbar_expect_tx(k_full(st), kTileBytes);
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), &tm_k, k_full(st), p * 64, hk, k0);
+        if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
+        mbar_expect_tx(v_full(st), kTileBytes);
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), &tm_v, v_full(st), p * 64, hk, k0);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------- consumers -------------------------------
+  regs_inc<kConsumerRegs>();
+  const int cw = role - 1;  // consumer 0 / 1: query rows q0 + 64 * cw ...
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int row_w0 = q0 + cw * 64;
+  const int row_a = row_w0 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
+  const T* sQw = sQ + cw * 64 * 64;
+  const float sl2 = a.scale_log2;
+  const int my_bar = kSchedBar + cw, other_bar = kSchedBar + (cw ^ 1);
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  float s[kBK / 2];
+  uint32_t pa[kBK / 16][4];
+
+  mbar_wait(q_full, 0);
+  if (cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
+
+  // tile 0: S only
+  mbar_wait(k_full(0), 0);
+  named_sync(my_bar, 256);
+  wg_fence();
+  issue_qk<T, D>(s, sQw, sK);
+  wg_commit();
+  if (cw == 0 || n_total > 1) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
+  wg_wait<0>();
+  reg_fence(s);
+  if (lane == 0) mbar_arrive(k_empty(0));
+  softmax_step(s, m, l, alpha, kv_start(0), n_par > 0, par1, row_a, row_w0, lane, sl2);
+
+  // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
+  // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
+  // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
+  // SASS), which serializes them again; the loop back edge keeps it below.
+  for (int t = 1; t < n_total; ++t) {
+    const int st = stage(t), sp = stage(t - 1);
+    wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
+    reg_fence(o);
+    reg_fence_u(pa);
+    if (lane == 0 && t >= 2) mbar_arrive(v_empty(stage(t - 2)));
+    rescale<D>(o, alpha);
+    pack_p<T>(pa, s);
+    mbar_wait(k_full(st), parity(t));
+    mbar_wait(v_full(sp), parity(t - 1));
+    named_sync(my_bar, 256);
+    reg_fence(o);
+    reg_fence_u(pa);
+    wg_fence();
+    issue_qk<T, D>(s, sQw, sK + st * kBK * D);
+    wg_commit();
+    issue_pv<T, D>(o, pa, sV + sp * kBK * D);
+    wg_commit();
+    if (cw == 0 || t + 1 < n_total) named_arrive(other_bar, 256);
+    wg_wait<1>();  // S_t complete, P V still running
+    reg_fence(s);
+    if (lane == 0) mbar_arrive(k_empty(st));
+    softmax_step(s, m, l, alpha, kv_start(t), t < n_par, par1, row_a, row_w0, lane, sl2);
+  }
+
+  // the last two P V products
+  {
+    wg_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+    if (lane == 0 && n_total >= 2) mbar_arrive(v_empty(stage(n_total - 2)));
+    rescale<D>(o, alpha);
+    pack_p<T>(pa, s);
+    const int sl = stage(n_total - 1);
+    mbar_wait(v_full(sl), parity(n_total - 1));
+    reg_fence(o);
+    reg_fence_u(pa);
+    wg_fence();
+    issue_pv<T, D>(o, pa, sV + sl * kBK * D);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(o);
+    if (lane == 0) mbar_arrive(v_empty(sl));
+  }
+
+  T* og = reinterpret_cast<T*>(a.out) + h * D;
+  const long qs = (long)a.hq * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lsum = quad_sum(l[r]);
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const int row = row_a + r * 8;
+    if (row < q1) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const uint32_t v = pack2<T>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        *reinterpret_cast<uint32_t*>(og + (long)row * qs + j * 8 + (lane & 3) * 2) = v;
+      }
+      if ((lane & 3) == 0)
+        a.lse[(long)h * a.T + row] = lsum > 0.f ? (m[r] + log2f(lsum)) * 0.69314718055994531f : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// host: tensor maps and launch
+// ---------------------------------------------------------------------------------------------
+
+static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (!fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }
+  return fn;
+}
+
+// [T, heads, D] contiguous as a 3-D tensor (D, heads, T); box = one 64-column panel of `rows` tokens
+static bool make_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType dt, int d, int heads, int T, int rows,
+                     int elem) {
+  auto fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)heads, (cuuint64_t)T};
+  const cuuint64_t strides[2] = {(cuuint64_t)d * elem, (cuuint64_t)heads * d * elem};
+  const cuuint32_t box[3] = {64, 1, (cuuint32_t)rows};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  return fn(map, dt, 3, const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int D>
+static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
+  using L = Smem<T, D>;
+  auto k = fwd_ws_kernel<T, D>;
+  cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+  if (e != cudaSuccess) return e;
+  if (a.num_items == 0 || a.T == 0) return cudaSuccess;
+  CUtensorMap mq, mk, mv;
+  const int es = (int)sizeof(T);
+  if (!make_map(&mq, a.q, dt, D, a.hq, a.T, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
+      !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
+    return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
+  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a);
+  return cudaGetLastError();
+}
+
+}  // namespace sm90ws
+
+cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream) {
+  if (dtype == kBF16 && d == 128)
+    return sm90ws::fwd_ws_t<__nv_bfloat16, 128>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  if (dtype == kBF16 && d == 64)
+    return sm90ws::fwd_ws_t<__nv_bfloat16, 64>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  if (dtype == kFP16 && d == 128) return sm90ws::fwd_ws_t<__half, 128>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  if (dtype == kFP16 && d == 64) return sm90ws::fwd_ws_t<__half, 64>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace mdkv

@@ -1,0 +1,115 @@
+"""Host model of the synchronization protocol of csrc/dualkv_fwd_ws_sm90.cu (no GPU needed).
+
+    python csrc/ws_pipeline_model.py        (about a minute; prints "ok")
+
+The producer and the two consumer warpgroups are replayed step for step (the same waits,
+arrivals and MMA issue/wait order as the kernel, a warpgroup modelled as one agent) under random
+interleavings, with TMA completions and wgmma-group completions at random later times. mbarriers
+follow PTX semantics (arrival count + transaction bytes, phases, try_wait.parity); named barriers
+count the other warpgroup's arrivals. Checked: no deadlock, every MMA reads the stage holding
+the tile it wants, no TMA write lands in a stage an MMA still reads, one phase never mixes two
+tiles' arrivals, and no named-barrier arrival is left over. It models the protocol, not the
+kernel: change both together.
+"""
+import random, sys
+
+S = 3
+
+class MBar:
+    def __init__(s, count): s.count, s.pend, s.tx, s.phase = count, count, 0, 0
+    def arrive(s, tx=0):
+        s.tx += tx; s.pend -= 1; assert s.pend >= 0, "too many arrivals in one phase"; s._chk()
+    def complete_tx(s, b): s.tx -= b; assert s.tx >= 0; s._chk()
+    def _chk(s):
+        if s.pend == 0 and s.tx == 0: s.phase += 1; s.pend = s.count
+    def done(s, parity): return (s.phase & 1) != parity
+
+class Named:
+    def __init__(s): s.arr = 0; s.gen = 0   # arrivals of the other WG (128 each, modelled as 1)
+    
+def run(n, seed):
+    rnd = random.Random(seed)
+    q_full = MBar(1); kf = [MBar(1) for _ in range(S)]; vf = [MBar(1) for _ in range(S)]
+    ke = [MBar(2) for _ in range(S)]; ve = [MBar(2) for _ in range(S)]   # 2 WGs (8 warps modelled as 2)
+    stageK = [None]*S; stageV = [None]*S  # tile held (after TMA lands)
+    readersK = [set() for _ in range(S)]; readersV = [set() for _ in range(S)]
+    tma = []  # pending (kind, stage, tile, bar)
+    named = [0, 0]  # pending arrivals on barrier w (from the other WG)
+    mma = {0: [], 1: []}  # pending groups per WG: list of (kind, stage, tile)
+    kv_start = lambda t: t
+    def producer():
+        q_full.arrive(tx=1); tma.append(("Q", 0, 0, q_full))
+        for t in range(n):
+            st = t % S; par = (t // S) & 1
+            if t >= S:
+                while not ke[st].done(par ^ 1): yield
+            kf[st].arrive(tx=1); tma.append(("K", st, t, kf[st]))
+            if t >= S:
+                while not ve[st].done(par ^ 1): yield
+            vf[st].arrive(tx=1); tma.append(("V", st, t, vf[st]))
+    def issue(w, kind, t):
+        st = t % S
+        if kind == "K": assert stageK[st] == t, f"WG{w} S({t}) reads stage holding {stageK[st]}"; readersK[st].add((w, t))
+        else: assert stageV[st] == t, f"WG{w} PV({t}) reads stage holding {stageV[st]}"; readersV[st].add((w, t))
+        mma[w].append((kind, st, t))
+    def wait_groups(w, keep):
+        while len(mma[w]) > keep: yield
+    def nsync(w):
+        while named[w] == 0: yield
+        named[w] -= 1
+    def narrive(w): named[w ^ 1] += 1
+    def consumer(w):
+        while not q_full.done(0): yield
+        if w == 1: narrive(1)
+        while not kf[0].done(0): yield
+        yield from nsync(w)
+        issue(w, "K", 0)
+        if w == 0 or n > 1: narrive(w)
+        yield from wait_groups(w, 0)
+        ke[0].arrive()
+        for t in range(1, n):
+            st, sp = t % S, (t - 1) % S
+            yield from wait_groups(w, 0)
+            if t >= 2: ve[(t - 2) % S].arrive()
+            while not kf[st].done((t // S) & 1): yield
+            while not vf[sp].done(((t - 1) // S) & 1): yield
+            yield from nsync(w)
+            issue(w, "K", t); issue(w, "V", t - 1)
+            if w == 0 or t + 1 < n: narrive(w)
+            yield from wait_groups(w, 1)
+            ke[st].arrive()
+        yield from wait_groups(w, 0)
+        if n >= 2: ve[(n - 2) % S].arrive()
+        sl = (n - 1) % S
+        while not vf[sl].done(((n - 1) // S) & 1): yield
+        issue(w, "V", n - 1)
+        yield from wait_groups(w, 0)
+        ve[sl].arrive()
+    agents = {"P": producer(), "C0": consumer(0), "C1": consumer(1)}
+    live = set(agents)
+    steps = 0
+    while live or tma or mma[0] or mma[1]:
+        steps += 1
+        assert steps < 200000, "deadlock"
+        choice = rnd.random()
+        if tma and choice < 0.2:
+            kind, st, t, bar = tma.pop(rnd.randrange(len(tma)))
+            if kind == "K": assert not readersK[st], f"TMA K{t} overwrites stage {st} while read by {readersK[st]}"; stageK[st] = t
+            if kind == "V": assert not readersV[st], f"TMA V{t} overwrites stage {st} while read by {readersV[st]}"; stageV[st] = t
+            bar.complete_tx(1); continue
+        w = rnd.randrange(2)
+        if mma[w] and choice < 0.4:   # the oldest group of WG w completes (groups complete in order)
+            kind, st, t = mma[w].pop(0)
+            (readersK if kind == "K" else readersV)[st].discard((w, t)); continue
+        if not live: continue
+        a = rnd.choice(sorted(live))
+        try: next(agents[a])
+        except StopIteration: live.discard(a)
+    assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
+    return steps
+
+if __name__ == "__main__":
+    for n in list(range(1, 12)) + [40]:
+        for seed in range(300):
+            run(n, seed)
+    print("ok")
