@@ -34,6 +34,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <math.h>
 
 #include "dualkv_kernels.h"
@@ -237,7 +238,8 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[kBK / 16][4], const float 
 // the kernel
 // ---------------------------------------------------------------------------------------------
 
-template <typename T, int D>
+// kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely
+template <typename T, int D, bool kPingPong>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, FwdArgs a) {
@@ -328,15 +330,15 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   uint32_t pa[kBK / 16][4];
 
   mbar_wait(q_full, 0);
-  if (cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
+  if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
 
   // tile 0: S only
   mbar_wait(k_full(0), 0);
-  named_sync(my_bar, 256);
+  if (kPingPong) named_sync(my_bar, 256);
   wg_fence();
   issue_qk<T, D>(s, sQw, sK);
   wg_commit();
-  if (cw == 0 || n_total > 1) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
+  if (kPingPong && (cw == 0 || n_total > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
   wg_wait<0>();
   reg_fence(s);
   if (lane == 0) mbar_arrive(k_empty(0));
@@ -356,7 +358,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     pack_p<T>(pa, s);
     mbar_wait(k_full(st), parity(t));
     mbar_wait(v_full(sp), parity(t - 1));
-    named_sync(my_bar, 256);
+    if (kPingPong) named_sync(my_bar, 256);
     reg_fence(o);
     reg_fence_u(pa);
     wg_fence();
@@ -364,7 +366,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_commit();
     issue_pv<T, D>(o, pa, sV + sp * kBK * D);
     wg_commit();
-    if (cw == 0 || t + 1 < n_total) named_arrive(other_bar, 256);
+    if (kPingPong && (cw == 0 || t + 1 < n_total)) named_arrive(other_bar, 256);
     wg_wait<1>();  // S_t complete, P V still running
     reg_fence(s);
     if (lane == 0) mbar_arrive(k_empty(st));
@@ -444,7 +446,9 @@ static bool make_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType dt, 
 template <typename T, int D>
 static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
   using L = Smem<T, D>;
-  auto k = fwd_ws_kernel<T, D>;
+  // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings)
+  const char* pp = std::getenv("MEGATRON_DUALKV_WS_PINGPONG");
+  auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false> : fwd_ws_kernel<T, D, true>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0 || a.T == 0) return cudaSuccess;

@@ -182,14 +182,18 @@ CASES = [
 
 
 @gpu
-@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS + ("sm90-dq-kernel",))
+@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS + ("sm90-dq-kernel", "ws-no-pingpong"))
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
     # "sm90": fast mode, dQ by fp32 atomics in the dK/dV kernel; "sm90-dq-kernel": the dQ kernel
-    # (the deterministic path) with deterministic=False
+    # (the deterministic path) with deterministic=False; "ws-no-pingpong": the warp-specialized
+    # forward with its consumers issuing without turns
     if impl == "sm90-dq-kernel":
         monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
         impl = "sm90"
+    if impl == "ws-no-pingpong":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_PINGPONG", "0")
+        impl = "ws"
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     t = seg.num_tokens
