@@ -36,7 +36,7 @@ from .flops import FWD_BWD_FACTOR, group_pairs
 GIB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "full")
 # backward transient as a fraction of one layer's saved activations (see _memory)
-WORKSPACE_NONE = 0.5
+WORKSPACE_NONE = 0.25
 WORKSPACE_FULL = 1.0
 
 
@@ -234,6 +234,9 @@ class Implementation:
     attention_copies_v: the attention kernel saves its own copy of V (Flex pads q, k, v to 128
       rows) rather than a view into the fused QKV output.
     with_entropy: the DualKV logprobs also keep the fp32 logits for the entropy.
+    stock_logits: the stock path's loss: 'all_rows' (Megatron's GPTModel loss: fp32 cross entropy over
+      every row) or 'edges' (our --no-dualkv baseline, megatron_dualkv.megatron.replicated: bf16
+      logits at every row, fp32 log-softmax at the loss edges only).
     logits_chunk_rows: WHAT-IF, not implemented in the model: the output layer and logprobs run
       over chunks of this many rows and are recomputed in backward, so no [rows, vocab/TP] fp32
       tensor outlives its chunk (costs one more output-layer forward).
@@ -244,12 +247,14 @@ class Implementation:
     swiglu: str = "fused"
     attention_copies_v: bool = True
     with_entropy: bool = False
+    stock_logits: str = "all_rows"
     logits_chunk_rows: Optional[int] = None
 
     def __post_init__(self):
         if self.logits_chunk_rows is not None and self.logits_chunk_rows < 1:
             raise ValueError(f"logits_chunk_rows must be >= 1, got {self.logits_chunk_rows}")
-        for f, ok in (("norm", ("fused", "composite")), ("rope", ("unfused", "fused")), ("swiglu", ("fused", "unfused"))):
+        for f, ok in (("norm", ("fused", "composite")), ("rope", ("unfused", "fused")), ("swiglu", ("fused", "unfused")),
+                      ("stock_logits", ("all_rows", "edges"))):
             if getattr(self, f) not in ok:
                 raise ValueError(f"Implementation.{f} must be one of {ok}, got {getattr(self, f)!r}")
 
@@ -529,13 +534,16 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
     tokens = mb.tokens / cp  # this rank's rows
     per_layer = layer_bytes_per_token(shape, impl, par) * tokens
     terms = layer_activation_terms(shape, impl)
+    if not work.dualkv and impl.rope == "unfused":
+        # bshd: the cos/sin tables are per position, shared by the micro-batch's sequences
+        per_layer -= terms["rope_tables"] / tp * tokens * (1 - 1 / max(1, mb.responses))
     if par.cp > 1 and par.cp_comm == "all_gather":
         # the attention keeps the all-gathered K and V of the whole micro-batch, not the local ones
         kv_d = shape.num_query_groups * shape.kv_channels
         per_layer -= 2 * kv_d * (2 if impl.attention_copies_v else 1) / tp * tokens
         per_layer += 4 * kv_d / tp * mb.tokens
     layer_input = (2 * h / (tp if par.sp else 1)) * tokens  # what full recomputation keeps per layer
-    # Transient during backward, as fractions of one layer's saved activations (calibrated on the
+    # Backward workspace, as fractions of one layer's saved activations (measured on the
     # CPU measurement of tests/test_planner.py: gradients of a layer's activations exist while its
     # saved tensors are released; full recomputation first rebuilds the whole layer).
     if recompute == "full":
@@ -556,20 +564,26 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
     ids = 8 * tokens
     rows = mb.logit_rows / cp
     vocab_local = shape.vocab_size / tp
+    # Bytes per [row, vocab/TP] entry; the transients are measured on the CPU (tests/test_planner.py)
     if work.dualkv:
         gathered = (2 * h + 17) * rows  # gathered edge rows (bf16), targets, indices, mask
         held = (8 if impl.with_entropy else 4) * rows * vocab_local  # fp32 softmax (+ fp32 logits)
-        peak_logits = 12 * rows * vocab_local  # fp32 logits, exp temporary, softmax at once
+        extra = 12 * rows * vocab_local  # bf16 and fp32 logits, exp temporary, backward's -p and grad
     else:
         gathered = 2 * h * rows / (tp if par.sp else 1)  # output layer input
-        held = 4 * rows * vocab_local  # Megatron's cross entropy keeps fp32 exp-logits of every row
-        peak_logits = 6 * rows * vocab_local  # + the bf16 logits while they are cast
+        if impl.stock_logits == "all_rows":  # Megatron's loss: cross entropy over every row
+            held = 4 * rows * vocab_local  # fp32 exp-logits
+            extra = 3 * rows * vocab_local  # bf16 logits while cast (+ allocator rounding)
+        else:  # our --no-dualkv baseline: bf16 logits at every row, fp32 log-softmax at the loss edges
+            edges = mb.loss_edges / cp
+            held = 4 * edges * vocab_local
+            extra = (2 * rows + 8 * edges) * vocab_local
     if impl.logits_chunk_rows is not None:  # what-if: one chunk of logits alive at a time
-        peak_logits = peak_logits / rows * min(rows, impl.logits_chunk_rows) if rows else 0.0
+        extra = (extra + held) / rows * min(rows, impl.logits_chunk_rows) if rows else 0.0
         held = 0.0
     other = final_norm + ids + gathered
     activations = stored_layers + other + held
-    transient = max(peak_logits - held, workspace)
+    transient = max(extra, workspace)
     return {
         "weights": st["weights"], "grads": st["grads"], "optimizer": st["optimizer"],
         "activations": stored_layers + other, "logits": held, "transient": transient,

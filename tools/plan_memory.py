@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     i.add_argument("--rope", choices=("unfused", "fused"), default="unfused")
     i.add_argument("--swiglu", choices=("fused", "unfused"), default="fused")
     i.add_argument("--with-entropy", action="store_true")
+    i.add_argument("--stock-logits", choices=("all_rows", "edges"), default="all_rows",
+                   help="stock loss: Megatron's cross entropy over every row, or our --no-dualkv baseline (edges)")
     i.add_argument("--logits-chunk-rows", type=int, default=None,
                    help="WHAT-IF (not implemented in the model): logits computed and recomputed in chunks of rows")
     h = ap.add_argument_group("hardware and assumed rates (defaults: docs/PLANNER.md)")
@@ -136,7 +138,7 @@ def print_single(args, shape, hw) -> None:
     par = Parallel(tp=args.tp, cp=args.cp, dp=args.dp, ep=args.ep, etp=args.etp, sp=False if args.no_sp else None,
                    distributed_optimizer=not args.no_distributed_optimizer, cp_comm=args.cp_comm)
     impl = Implementation(norm=args.norm, rope=args.rope, swiglu=args.swiglu, with_entropy=args.with_entropy,
-                          logits_chunk_rows=args.logits_chunk_rows)
+                          stock_logits=args.stock_logits, logits_chunk_rows=args.logits_chunk_rows)
     modes = [False] if args.no_dualkv else [True] if args.dualkv_only else [True, False]
     cols = {}
     for dualkv in modes:
@@ -156,7 +158,7 @@ def print_single(args, shape, hw) -> None:
 
 def print_sweep(args, shape, hw) -> None:
     impl = Implementation(norm=args.norm, rope=args.rope, swiglu=args.swiglu, with_entropy=args.with_entropy,
-                          logits_chunk_rows=args.logits_chunk_rows)
+                          stock_logits=args.stock_logits, logits_chunk_rows=args.logits_chunk_rows)
     modes = (False,) if args.no_dualkv else (True,) if args.dualkv_only else (True, False)
     plans = sweep(shape, args.world, args.n, args.p, args.r, args.groups_per_step, modes, impl, hw,
                   max_cp=1 if args.no_cp else args.max_cp)
