@@ -13,7 +13,11 @@
 #     0.91B, embeddings + output 0.62B, routers, norms). Per GPU with EP=8: 16 experts per layer,
 #     3.6B expert params -> bf16 7.3 GB + fp32 main grads 14.5 GB + Adam 12 B/param sharded over
 #     expert-DP=2: 21.8 GB; dense 1.54B -> 3.1 + 6.2 + 12*1.54/16 = 10.5 GB. ~54 GB before activations:
-#     the rest (~25 GB) holds a packed micro-batch of 8K tokens with full recomputation.
+#     the rest holds a packed micro-batch of 8K tokens with full recomputation. tools/plan_memory.py
+#     (N=8, P=2048, R=768) predicts 65.7 GiB + 3 reserve of 79 per GPU:
+#       python tools/plan_memory.py --model 30b-a3b --tp 1 --ep 8 --dp 16 --n 8 --p 2048 --r 768 \
+#           --max-tokens 8192 --recompute full
+#     Rerun it (or its --sweep --world 16) with your rollouts' N, P, R before a long run.
 #     EP=16 (across nodes) would halve the expert memory but send every token's all-to-all over
 #     InfiniBand instead of NVLink; EP=8 keeps the dispatcher inside the node.
 #   - TP=1: hidden 2048 and 32 heads / 4 KV groups make the dense matmuls too small to split
@@ -21,7 +25,6 @@
 #   - DP=16 over both nodes: only gradients (dense all-reduce, expert reduce over 2 ranks) cross
 #     the nodes, overlapped with the backward (--overlap-grad-reduce).
 #   - PP is not supported with packed micro-batches; CP comes with its own issue.
-# TODO: check these numbers with tools/plan_memory.py (the memory planner, another task) once it exists.
 #
 #SBATCH --job-name=grpo-dualkv-30b-a3b
 #SBATCH --nodes=2

@@ -11,13 +11,18 @@
 # Parallel layout (8 GPUs): TP=2 with sequence parallelism, DP=4, PP=1, CP=1.
 #   - Memory per GPU with TP=2 and the distributed optimizer over DP=4: bf16 weights 8.2 GB,
 #     fp32 main grads 16.4 GB, Adam state (fp32 master + 2 moments, 12 B/param) 98 GB / (2*4) = 12.3 GB:
-#     ~37 GB before activations, leaving ~40 GB for a packed micro-batch of 16K tokens with
-#     selective recomputation. TP=1 would need ~60 GB before activations.
+#     ~37 GB before activations. TP=1 would need ~60 GB before activations.
+#   - Micro-batch budget 12K tokens with selective recomputation. tools/plan_memory.py (N=8, P=4096,
+#     R=1536, groups split into sub-groups that carry the prompt) predicts 66.9 GiB + 3 reserve of
+#     79 per GPU; 16K tokens needs full recomputation (50.7 GiB, predicted a little slower), 16K
+#     with selective does not fit (89 GiB):
+#       python tools/plan_memory.py --model 8b --tp 2 --dp 4 --n 8 --p 4096 --r 1536 \
+#           --max-tokens 12288 --recompute selective
+#     Rerun it with your rollouts' N, P, R before a long run.
 #   - TP=2 keeps TP inside NVLink pairs; sequence parallelism shards norms/dropout activations
 #     (the packer pads every micro-batch to a multiple of TP for it).
 #   - PP is not supported with packed micro-batches (variable length per micro-batch), CP comes
 #     with its own issue.
-# TODO: pick the budgets with tools/plan_memory.py (the memory planner, another task) once it exists.
 set -euo pipefail
 
 ROLLOUTS=${1:?usage: $0 ROLLOUTS CKPT_DIR [LOAD_DIR] [extra flags...]}
@@ -30,7 +35,7 @@ NPROC=${NPROC:-8}
 TP=${TP:-2}
 DP=$(( NPROC / TP ))
 MICRO_BATCHES_PER_RANK=${MICRO_BATCHES_PER_RANK:-8}   # most packed micro-batches a rank runs per step
-TOKENS_PER_MICRO_BATCH=${TOKENS_PER_MICRO_BATCH:-16384}
+TOKENS_PER_MICRO_BATCH=${TOKENS_PER_MICRO_BATCH:-12288}
 GROUPS_PER_STEP=${GROUPS_PER_STEP:-64}
 
 LOAD_ARGS=()
