@@ -26,7 +26,6 @@ Checked on CPU against a tiny Megatron model (tests/test_planner.py); not yet ag
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 warnings.filterwarnings("ignore")
 
 from megatron_dualkv.planner import (  # noqa: E402
-    GIB, H100, RECOMPUTE, Hardware, Implementation, ModelShape, Parallel, Workload, best_plan, make_plan, sweep,
+    GIB, RECOMPUTE, Hardware, Implementation, ModelShape, Parallel, Workload, make_plan, sweep,
 )
 
 PRESETS = ("tiny", "tiny-moe", "8b", "30b-a3b")
