@@ -140,12 +140,14 @@ def print_single(args, shape, hw) -> None:
     impl = Implementation(norm=args.norm, rope=args.rope, swiglu=args.swiglu, with_entropy=args.with_entropy,
                           stock_logits=args.stock_logits, logits_chunk_rows=args.logits_chunk_rows)
     modes = [False] if args.no_dualkv else [True] if args.dualkv_only else [True, False]
-    cols = {}
+    cols, notes = {}, []
     for dualkv in modes:
         work = Workload(n=args.n, p=args.p, r=args.r, groups_per_step=args.groups_per_step, dualkv=dualkv,
                         responses_per_micro_batch=args.responses_per_micro_batch,
                         groups_per_micro_batch=args.groups_per_micro_batch, max_tokens=args.max_tokens)
-        cols["DualKV" if dualkv else "stock (replicated)"] = describe(make_plan(shape, par, work, args.recompute, impl, hw))
+        plan = make_plan(shape, par, work, args.recompute, impl, hw)
+        cols["DualKV" if dualkv else "stock (replicated)"] = describe(plan)
+        notes += [n for n in plan.notes if n not in notes]
     print(f"# {shape.name}: {shape.total_params() / 1e9:.2f}B parameters ({shape.active_params_per_token() / 1e9:.2f}B "
           f"active per token in the layers); {par.label()} on {par.world} x {hw.name}; N={args.n} P={args.p} R={args.r}, "
           f"{args.groups_per_step} groups per step; recompute {args.recompute}\n")
@@ -154,6 +156,8 @@ def print_single(args, shape, hw) -> None:
     print("|---|" + "---|" * len(names))
     for row in next(iter(cols.values())):
         print(f"| {row} | " + " | ".join(cols[n][row] for n in names) + " |")
+    for n in notes:
+        print(f"\nnote: {n}")
 
 
 def print_sweep(args, shape, hw) -> None:
