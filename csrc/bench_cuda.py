@@ -60,12 +60,13 @@ def main():
     hq, hkv, d = 32, 8, 128
     print(f"device: {torch.cuda.get_device_name()}")
     print("fwd: mma = mma.sync kernel, v0 = wgmma 128-key tiles 1 CTA/SM, v1 = wgmma 64-key tiles 2 CTAs/SM (default), "
-          "ws = warp-specialized (TMA producer + 2 ping-pong consumers; fwd+bwd ws = fwd ws + bwd fast); "
+          "ws = warp-specialized (TMA producer + 2 ping-pong consumers); fwd+bwd ws = ws forward + ws backward "
+          "(dK/dV kernel with TMA producer, atomic dQ), bwd ms ws = fwd+bwd ws - fwd ws; "
           "bwd (after the v1 forward): det = wgmma dK/dV + dQ kernels, fast = wgmma dK/dV with fp32 atomic dQ (default)")
     print("| N | P | R | fwd ms mma | fwd ms v0 | fwd ms v1 | bwd ms det | bwd ms fast | fwd+bwd ms det | fwd+bwd ms fast | "
           "fwd TF/s mma | fwd TF/s v0 | fwd TF/s v1 | fwd+bwd TF/s det | fwd+bwd TF/s fast | peak GiB | "
-          "fwd ms ws | fwd TF/s ws | fwd+bwd TF/s ws+fast |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "fwd ms ws | fwd TF/s ws | bwd ms ws | fwd+bwd ms ws | fwd+bwd TF/s ws |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (2048, 1024):
         for n, p in SHAPES:
             seg = layout(n, p, r)
@@ -88,10 +89,11 @@ def main():
                     f_ms[impl] = timed(lambda: cuda_backend.forward(q, k, v, seg, scale, fwd_impl=fi), reps)
                 os.environ["MEGATRON_DUALKV_SM90_FWD_VARIANT"] = "1"
             fb_ms = {}
-            for impl in BWD:  # "mma" row: the sm90 deterministic backward
+            for impl in BWD + (("ws",) if "ws" in IMPLS else ()):  # "mma": the sm90 deterministic backward
                 os.environ["MEGATRON_DUALKV_ATOMIC_DQ"] = "1" if impl == "sm90" else "0"  # fast: atomics
                 def fb():
-                    out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl="sm90", bwd_impl="sm90",
+                    ki = "ws" if impl == "ws" else "sm90"
+                    out = cuda_backend.attention(q, k, v, seg, scale, fwd_impl=ki, bwd_impl=ki,
                                                  deterministic=(impl == "mma"))
                     out.backward(do)
                 fb()
@@ -101,11 +103,11 @@ def main():
             fl = 4 * d * hq * pairs(n, p, r)
             nan = float("nan")
             fm, f0, f1, fw = f_ms.get("mma", nan), f_ms.get("sm90", nan), f_ms["sm90v1"], f_ms.get("ws", nan)
-            bd, bf = fb_ms["mma"], fb_ms.get("sm90", nan)
+            bd, bf, bw = fb_ms["mma"], fb_ms.get("sm90", nan), fb_ms.get("ws", nan)
             print(f"| {n} | {p} | {r} | {fm:.1f} | {f0:.1f} | {f1:.1f} | {bd - f1:.1f} | {bf - f1:.1f} | {bd:.1f} | "
                   f"{bf:.1f} | {fl / fm / 1e9:.0f} | {fl / f0 / 1e9:.0f} | {fl / f1 / 1e9:.0f} | {3.5 * fl / bd / 1e9:.0f} | "
-                  f"{3.5 * fl / bf / 1e9:.0f} | {peak:.1f} | {fw:.1f} | {fl / fw / 1e9:.0f} | "
-                  f"{3.5 * fl / (bf - f1 + fw) / 1e9:.0f} |", flush=True)
+                  f"{3.5 * fl / bf / 1e9:.0f} | {peak:.1f} | {fw:.1f} | {fl / fw / 1e9:.0f} | {bw - fw:.1f} | "
+                  f"{bw:.1f} | {3.5 * fl / bw / 1e9:.0f} |", flush=True)
             del q, k, v, do
             q = k = v = None
             torch.cuda.empty_cache()

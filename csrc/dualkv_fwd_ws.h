@@ -13,3 +13,12 @@ namespace mdkv {
 cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
 
 }  // namespace mdkv
+
+namespace mdkv {
+
+// Warp-specialized backward, fast mode (csrc/dualkv_bwd_ws_sm90.cu): delta = rowsum(dO * O) -
+// dlse, then the dK/dV kernel that also adds unscaled dQ into ka.dq_acc (fp32 [T, Hq, D], zeroed
+// by the caller; required: returns cudaErrorInvalidValue when null). kv items of 128-row key tiles.
+cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream);
+
+}  // namespace mdkv

@@ -1,11 +1,14 @@
-// Torch op of the warp-specialized Hopper forward (csrc/dualkv_fwd_ws_sm90.cu), added to the
-// `megatron_dualkv` library defined in csrc/dualkv_ops.cpp:
+// Torch ops of the warp-specialized Hopper kernels (csrc/dualkv_fwd_ws_sm90.cu,
+// csrc/dualkv_bwd_ws_sm90.cu), added to the `megatron_dualkv` library defined in
+// csrc/dualkv_ops.cpp:
 //
 //   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale) -> (out [T,Hq,D], lse [Hq,T] fp32)
+//   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
+//                                deterministic) -> (dq, dk, dv)      (fast mode only)
 //
-// Same contract and row items (128-row query tiles) as fwd_sm90. Opt-in from Python with
-// fwd_impl="ws" or MEGATRON_DUALKV_CUDA_FWD=ws (megatron_dualkv/ops/cuda_backend.py, which also
-// registers the fake implementation).
+// Same contracts and work items (128-row tiles) as fwd_sm90 / bwd_sm90. Opt-in from Python with
+// fwd_impl="ws" / bwd_impl="ws" or MEGATRON_DUALKV_CUDA_FWD=ws / MEGATRON_DUALKV_CUDA_BWD=ws
+// (megatron_dualkv/ops/cuda_backend.py, which also registers the fake implementations).
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -19,8 +22,7 @@
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                      const at::Tensor& row_work, double scale) {
+void check_ws_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "megatron_dualkv: q, k, v must be CUDA tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "megatron_dualkv: q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -36,12 +38,23 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
               "megatron_dualkv: q, k, v must be contiguous [T, H, D]");
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
-                "megatron_dualkv: the ws forward reads q, k, v with TMA, which needs 16-byte aligned data pointers");
+                "megatron_dualkv: the ws kernels read q, k, v with TMA, which needs 16-byte aligned data pointers");
+}
+
+void check_work_ws(const at::Tensor& w, const at::Tensor& q, const char* what) {
+  TORCH_CHECK(w.is_cuda() && w.device() == q.device() && w.scalar_type() == at::kInt && w.is_contiguous() &&
+                  w.dim() == 2,
+              "megatron_dualkv: ", what, " must be a contiguous 2-D int32 tensor on q's device");
+}
+
+std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      const at::Tensor& row_work, double scale) {
+  check_ws_inputs(q, k, v);
   TORCH_CHECK(row_work.is_cuda() && row_work.device() == q.device() && row_work.scalar_type() == at::kInt &&
                   row_work.is_contiguous() && row_work.dim() == 2 && row_work.size(1) == 8,
               "megatron_dualkv: row_work must be a contiguous int32 [items, 8] tensor on q's device");
   c10::cuda::CUDAGuard guard(q.device());
-  const int T = q.size(0), hq = q.size(1), hkv = k.size(1);
+  const int T = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   auto out = at::empty_like(q);
   auto lse = at::empty({hq, T}, q.options().dtype(at::kFloat));
   mdkv::FwdArgs a;
@@ -58,16 +71,87 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   a.scale = static_cast<float>(scale);
   a.scale_log2 = static_cast<float>(scale * M_LOG2E);
   const int dtype = q.scalar_type() == at::kBFloat16 ? mdkv::kBF16 : mdkv::kFP16;
-  auto err = mdkv::launch_fwd_ws_sm90(a, dtype, static_cast<int>(d), at::cuda::getCurrentCUDAStream());
+  auto err = mdkv::launch_fwd_ws_sm90(a, dtype, d, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv fwd_ws_sm90 launch failed: ", cudaGetErrorString(err),
               err == cudaErrorInvalidResourceHandle ? " (TMA tensor map could not be encoded)" : "");
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(
+    const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& dlse_in, const at::Tensor& row_work,
+    const at::Tensor& kv_work, const at::Tensor& kv_ranges, double scale, bool deterministic) {
+  TORCH_CHECK(!deterministic,
+              "megatron_dualkv: the ws backward has no deterministic mode (dQ by atomics); use bwd_sm90 for it");
+  check_ws_inputs(q, k, v);
+  check_work_ws(kv_work, q, "kv_work");
+  check_work_ws(kv_ranges, q, "kv_ranges");
+  TORCH_CHECK(kv_work.size(1) == 8 && kv_ranges.size(1) == 2, "megatron_dualkv: kv_work must be [items, 8], kv_ranges [n, 2]");
+  (void)row_work;  // the ws backward walks key tiles only; the argument keeps bwd_sm90's signature
+  auto dout = dout_in.contiguous();
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(),
+              "megatron_dualkv: grad of out must match q's shape and dtype");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0,
+              "megatron_dualkv: the ws backward reads dout with TMA, which needs a 16-byte aligned data pointer");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "megatron_dualkv: out must be contiguous like q");
+  const int T = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == hq &&
+                  lse.size(1) == T,
+              "megatron_dualkv: lse must be contiguous float32 [Hq, T]");
+  at::Tensor dlse;
+  if (dlse_in.has_value() && dlse_in->defined()) {
+    dlse = dlse_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(dlse.sizes() == lse.sizes(), "megatron_dualkv: grad of lse must be [Hq, T]");
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  auto dq = at::empty_like(q);
+  auto dk = at::empty_like(k);
+  auto dv = at::empty_like(v);
+  auto delta = at::empty({hq, T}, q.options().dtype(at::kFloat));
+  auto dq_acc = at::zeros({T, hq, d}, q.options().dtype(at::kFloat));
+  mdkv::DeltaArgs da;
+  da.out = out.data_ptr();
+  da.dout = dout.data_ptr();
+  da.dlse = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
+  da.delta = delta.data_ptr<float>();
+  da.T = T;
+  da.hq = hq;
+  mdkv::DkvArgs ka;
+  ka.q = q.data_ptr();
+  ka.k = k.data_ptr();
+  ka.v = v.data_ptr();
+  ka.dout = dout.data_ptr();
+  ka.lse = lse.data_ptr<float>();
+  ka.delta = delta.data_ptr<float>();
+  ka.dk = dk.data_ptr();
+  ka.dv = dv.data_ptr();
+  ka.work = kv_work.data_ptr<int>();
+  ka.ranges = kv_ranges.data_ptr<int>();
+  ka.dq_acc = dq_acc.data_ptr<float>();
+  ka.num_items = kv_work.size(0);
+  ka.T = T;
+  ka.hq = hq;
+  ka.hkv = hkv;
+  ka.scale = static_cast<float>(scale);
+  ka.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  const int dtype = q.scalar_type() == at::kBFloat16 ? mdkv::kBF16 : mdkv::kFP16;
+  auto err = mdkv::launch_bwd_ws_sm90(da, ka, dtype, d, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "megatron_dualkv bwd_ws_sm90 launch failed: ", cudaGetErrorString(err),
+              err == cudaErrorInvalidResourceHandle ? " (TMA tensor map could not be encoded)" : "");
+  dq.copy_(dq_acc.mul_(scale));
+  return {dq, dk, dv};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("fwd_ws_sm90(Tensor q, Tensor k, Tensor v, Tensor row_work, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "bwd_ws_sm90(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor row_work, "
+      "Tensor kv_work, Tensor kv_ranges, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) { m.impl("fwd_ws_sm90", &dualkv_fwd_ws_sm90); }
+TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {
+  m.impl("fwd_ws_sm90", &dualkv_fwd_ws_sm90);
+  m.impl("bwd_ws_sm90", &dualkv_bwd_ws_sm90);
+}

@@ -1,8 +1,9 @@
-"""Host model of the synchronization protocol of csrc/dualkv_fwd_ws_sm90.cu (no GPU needed).
+"""Host model of the synchronization protocols of csrc/dualkv_fwd_ws_sm90.cu and
+csrc/dualkv_bwd_ws_sm90.cu (no GPU needed).
 
     python csrc/ws_pipeline_model.py        (about a minute; prints "ok")
 
-The producer and the two consumer warpgroups are replayed step for step (the same waits,
+For each kernel the producer and the two consumer warpgroups are replayed step for step (the same waits,
 arrivals and MMA issue/wait order as the kernel, a warpgroup modelled as one agent) under random
 interleavings, with TMA completions and wgmma-group completions at random later times. mbarriers
 follow PTX semantics (arrival count + transaction bytes, phases, try_wait.parity); named barriers
@@ -108,8 +109,83 @@ def run(n, seed):
     assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
     return steps
 
+def run_bwd(n, seed, d128=True):
+    """The ws backward (csrc/dualkv_bwd_ws_sm90.cu): a Q/dO/lse/delta ring of S stages, K/V once,
+    dS^T exchanged through a double buffer (D = 128: 256-thread barrier; D = 64: own half only)."""
+    rnd = random.Random(seed)
+    kv_full = MBar(1)
+    qf = [MBar(2) for _ in range(S)]   # producer lane 0 (expect_tx) + the lanes' lse/delta arrival
+    em = [MBar(2) for _ in range(S)]
+    stage = [None] * S
+    readers = [set() for _ in range(S)]
+    ds = [[None, None], [None, None]]           # ds[buffer][half] = step written
+    ds_readers = [[set(), set()], [set(), set()]]   # ds_readers[buffer][half]: (wg, step) MMAs reading it
+    tma, mma = [], {0: [], 1: []}
+    bar = {"n": 0, "gen": 0}                    # 256-thread named barrier as a generation counter
+    def producer():
+        kv_full.arrive(tx=1); tma.append((None, None, kv_full))
+        for i in range(n):
+            st = i % S
+            if i >= S:
+                while not em[st].done(((i // S) & 1) ^ 1): yield
+            qf[st].arrive(tx=1); tma.append((st, i, qf[st]))
+            yield
+            qf[st].arrive()   # the lanes' lse/delta stores, released by their arrival
+    def barrier():
+        g = bar["gen"]; bar["n"] += 1
+        if bar["n"] == 2: bar["n"] = 0; bar["gen"] += 1
+        while bar["gen"] == g: yield
+    def consumer(w):
+        while not kv_full.done(0): yield
+        for i in range(n):
+            st, b = i % S, i & 1
+            while not qf[st].done((i // S) & 1): yield
+            assert stage[st] == i, f"WG{w} step {i} reads stage {st} holding {stage[st]}"
+            readers[st].add((w, i)); mma[w].append(("st", st, i))
+            while mma[w]: yield
+            assert not ds_readers[b][w], f"WG{w} step {i} overwrites dS half {w} of buffer {b} under {ds_readers[b][w]}"
+            ds[b][w] = i
+            if d128:
+                yield from barrier()
+            halves = (0, 1) if d128 else (w,)
+            for hlf in halves:
+                assert ds[b][hlf] == i, f"WG{w} step {i} reads dS half {hlf} of step {ds[b][hlf]}"
+            readers[st].add((w, i)); mma[w].append(("st+ds", st, i))
+            for hlf in halves:
+                ds_readers[b][hlf].add((w, i))
+            while mma[w]: yield
+            em[st].arrive()
+    agents = {"P": producer(), "C0": consumer(0), "C1": consumer(1)}
+    live, steps = set(agents), 0
+    while live or tma or mma[0] or mma[1]:
+        steps += 1
+        assert steps < 200000, "deadlock"
+        choice = rnd.random()
+        if tma and choice < 0.2:
+            st, i, mb = tma.pop(rnd.randrange(len(tma)))
+            if st is not None:
+                assert not readers[st], f"TMA step {i} overwrites stage {st} while read by {readers[st]}"
+                stage[st] = i
+            mb.complete_tx(1); continue
+        w = rnd.randrange(2)
+        if mma[w] and choice < 0.4:
+            kind, st, i = mma[w].pop(0)
+            readers[st].discard((w, i))
+            if kind == "st+ds":
+                for hlf in (0, 1):
+                    ds_readers[i & 1][hlf].discard((w, i))
+            continue
+        if not live: continue
+        a_ = rnd.choice(sorted(live))
+        try: next(agents[a_])
+        except StopIteration: live.discard(a_)
+    return steps
+
+
 if __name__ == "__main__":
     for n in list(range(1, 12)) + [40]:
         for seed in range(300):
             run(n, seed)
+            run_bwd(n, seed, d128=True)
+            run_bwd(n, seed, d128=False)
     print("ok")

@@ -1,11 +1,12 @@
-"""First GPU check of the warp-specialized forward (fwd_impl="ws"), meant to run under a short
-timeout before anything else touches it (csrc/gpu_check.sh does): a pipeline bug shows as a hang
-or a launch error here, not in the middle of the test suite.
+"""First GPU check of the warp-specialized kernels (fwd_impl / bwd_impl "ws"), meant to run under
+a short timeout before anything else touches them (csrc/gpu_check.sh does): a pipeline bug shows
+as a hang or a launch error here, not in the middle of the test suite.
 
-    timeout 60 python csrc/ws_smoke.py      exit 0: ws agrees with the default sm90 forward
+    timeout 90 python csrc/ws_smoke.py      exit 0: ws agrees with the default sm90 kernels
 
-For a few layouts (tiny, odd lengths, a long prompt) it compares out and lse of "ws" with the
-default "sm90" forward on the same inputs, and times one published shape.
+For a few layouts (tiny, odd lengths, a long prompt) and both dtypes it compares out and lse of
+the ws forward (with and without ping-pong) and dq, dk, dv of the ws backward with the default
+"sm90" kernels (fast mode) on the same inputs, then times one published shape.
 """
 import math
 import os
@@ -62,6 +63,22 @@ def main():
                 bad += not good
                 print(f"ws smoke pingpong={pp} {dtype} T={t} hq={hq} hkv={hkv} d={d}: rel(out) vs sm90 {e_o:.2e}, "
                       f"max|dlse| {e_l:.2e}, first call {dt * 1e3:.0f} ms {'ok' if good else 'MISMATCH'}", flush=True)
+            os.environ.pop("MEGATRON_DUALKV_WS_PINGPONG", None)
+            do = torch.randn_like(q)
+            grads = {}
+            for impl in ("sm90", "ws"):
+                qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+                t0 = time.time()
+                cuda_backend.attention(qq, kk, vv, seg, scale, fwd_impl="sm90", bwd_impl=impl).backward(do)
+                torch.cuda.synchronize()
+                grads[impl] = (qq.grad, kk.grad, vv.grad, time.time() - t0)
+            errs = [((a.float() - b.float()).norm() / b.float().norm()).item()
+                    for a, b in zip(grads["ws"][:3], grads["sm90"][:3])]
+            good = all(torch.isfinite(g).all() for g in grads["ws"][:3]) and max(errs) < 2e-2
+            bad += not good
+            print(f"ws smoke backward {dtype} T={t} hq={hq} hkv={hkv} d={d}: rel(dq, dk, dv) vs sm90 "
+                  f"{errs[0]:.2e} {errs[1]:.2e} {errs[2]:.2e}, first call {grads['ws'][3] * 1e3:.0f} ms "
+                  f"{'ok' if good else 'MISMATCH'}", flush=True)
     n, p, r = 28, 4096, 2048
     seg = segments([(p, [r] * n)])
     t = seg.num_tokens
@@ -80,6 +97,21 @@ def main():
         ms = a.elapsed_time(b) / 5
         print(f"ws smoke timing ({n}, {p}, {r}) fwd {impl_name}: {ms:.2f} ms, {fl / ms / 1e9:.0f} useful TFLOP/s", flush=True)
     os.environ.pop("MEGATRON_DUALKV_WS_PINGPONG")
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    do = torch.randn_like(q)
+    for impl in ("sm90", "ws"):
+        def fb():
+            cuda_backend.attention(q, k, v, seg, 0.088, fwd_impl=impl, bwd_impl=impl).backward(do)
+        fb()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(3):
+            fb()
+        b.record()
+        torch.cuda.synchronize()
+        ms = a.elapsed_time(b) / 3
+        print(f"ws smoke timing ({n}, {p}, {r}) fwd+bwd {impl}: {ms:.2f} ms, {3.5 * fl / ms / 1e9:.0f} useful TFLOP/s",
+              flush=True)
     return 1 if bad else 0
 
 

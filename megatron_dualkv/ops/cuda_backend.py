@@ -16,8 +16,10 @@ Kernels (sm_90a, Hopper; see docs/PERF.md "CUDA kernel"):
                          workspace fp32 [T, Hq, D]); MEGATRON_DUALKV_ATOMIC_DQ=0 turns it off.
 - `fwd` / `bwd`: the first, mma.sync (sm_80-style) kernels, kept as fwd_impl/bwd_impl="mma".
 - `fwd_ws_sm90` (opt-in, fwd_impl="ws" or MEGATRON_DUALKV_CUDA_FWD=ws): warp-specialized forward,
-  a TMA producer warp and two consumer warpgroups in ping-pong (csrc/dualkv_fwd_ws_sm90.cu);
-  the backward is the sm90 one.
+  a TMA producer warp and two consumer warpgroups in ping-pong (csrc/dualkv_fwd_ws_sm90.cu).
+- `bwd_ws_sm90` (opt-in, bwd_impl="ws" or MEGATRON_DUALKV_CUDA_BWD=ws): warp-specialized dK/dV
+  kernel with atomic dQ (csrc/dualkv_bwd_ws_sm90.cu); fast mode only: deterministic=True runs
+  the sm90 backward.
 
 Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
 on the host once per layout and cached on the `SegmentTable`; any segment lengths (tails masked).
@@ -196,8 +198,8 @@ def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, 
     return segments.cached(("cuda_backend_work", str(device)), build)
 
 
-FWD_IMPLS = ("sm90", "mma", "ws")  # "ws": warp-specialized forward, opt-in
-BWD_IMPLS = ("sm90", "mma")
+FWD_IMPLS = ("sm90", "mma", "ws")  # "ws": warp-specialized kernels, opt-in
+BWD_IMPLS = ("sm90", "mma", "ws")
 
 
 def _impl(name: Optional[str], env: str, what: str, choices: tuple = FWD_IMPLS) -> str:
@@ -241,6 +243,8 @@ def _register_python_side() -> None:
 
     torch.library.register_fake("megatron_dualkv::bwd")(_bwd_fake)
     torch.library.register_fake("megatron_dualkv::bwd_sm90")(_bwd_fake)
+    if _has_op("bwd_ws_sm90"):
+        torch.library.register_fake("megatron_dualkv::bwd_ws_sm90")(_bwd_fake)
 
 
 class _DualKVFunction(torch.autograd.Function):
@@ -268,7 +272,13 @@ class _DualKVFunction(torch.autograd.Function):
         q, k, v, out, lse, row_work, kv_work, kv_ranges = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        op = torch.ops.megatron_dualkv.bwd_sm90 if ctx.bwd_sm90 else torch.ops.megatron_dualkv.bwd
+        # bwd_sm90: True (wgmma), False (mma.sync) or "ws" (warp-specialized, fast mode only)
+        if ctx.bwd_sm90 == "ws" and not ctx.deterministic:
+            op = torch.ops.megatron_dualkv.bwd_ws_sm90
+        elif ctx.bwd_sm90:
+            op = torch.ops.megatron_dualkv.bwd_sm90
+        else:
+            op = torch.ops.megatron_dualkv.bwd
         dq, dk, dv = op(
             dout.contiguous(), q, k, v, out, lse, None, row_work, kv_work, kv_ranges, ctx.scale,
             ctx.deterministic,
@@ -298,21 +308,24 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
             bwd_impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """(out [T, Hq, D], lse [Hq, T] float32). Differentiable in q, k, v through `out`.
 
-    fwd_impl / bwd_impl: "sm90" (wgmma, default) or "mma" (mma.sync kernels); fwd_impl "ws":
-    the warp-specialized forward (opt-in); $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD
+    fwd_impl / bwd_impl: "sm90" (wgmma, default), "mma" (mma.sync kernels) or "ws" (the
+    warp-specialized kernels, opt-in; the ws backward has no deterministic mode, so with
+    deterministic=True it runs the sm90 one); $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD
     set the defaults.
     """
     _check(q, k, v, segments)
     fi = _impl(fwd_impl, "MEGATRON_DUALKV_CUDA_FWD", "forward")
     bi = _impl(bwd_impl, "MEGATRON_DUALKV_CUDA_BWD", "backward", BWD_IMPLS)
-    if fi == "ws" and not _has_op("fwd_ws_sm90"):
-        raise RuntimeError("DualKV CUDA backend: fwd_impl='ws' needs op megatron_dualkv::fwd_ws_sm90; the loaded "
-                           "extension predates it: rebuild (python csrc/build_ext.py or pip install -e .)")
+    for kind, op in ((fi, "fwd_ws_sm90"), (bi, "bwd_ws_sm90")):
+        if kind == "ws" and not _has_op(op):
+            raise RuntimeError(f"DualKV CUDA backend: impl 'ws' needs op megatron_dualkv::{op}; the loaded extension "
+                               "predates it: rebuild (python csrc/build_ext.py or pip install -e .)")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     rw, rw128, kw, kw128, kr = work_tensors(segments, q.device)
     fwd_kind = "ws" if fi == "ws" else fi == "sm90"
+    bwd_kind = "ws" if bi == "ws" else bi == "sm90"
     return _DualKVFunction.apply(q, k, v, rw, rw128, kw, kw128, kr, scale, bool(deterministic), fwd_kind,
-                                 bi == "sm90")
+                                 bwd_kind)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,

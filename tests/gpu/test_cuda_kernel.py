@@ -161,7 +161,7 @@ def poison_allocator(nbytes):
 def run_kernel(q, k, v, dout, seg, scale, deterministic=False, impl=None):
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
-    # impl names a forward; the backward is the same kernel family ("ws" has no backward of its own)
+    # impl names the forward and the backward ("ws" with deterministic=True runs the sm90 backward)
     bwd = impl if impl in cuda_backend.BWD_IMPLS else ("sm90" if impl else None)
     out, lse = cuda_backend.forward(qq, kk, vv, seg, scale, deterministic=deterministic, fwd_impl=impl,
                                     bwd_impl=bwd)

@@ -1,0 +1,384 @@
+// DualKV backward dK/dV (+ dQ by fp32 atomics) for Hopper (sm_90a), warp-specialized ("ws"):
+// opt-in, bwd_impl="ws", fast mode only (deterministic=True keeps the sm90 kernels).
+//
+// Same work items, math and accumulation as dkdv_kernel<..., kAtomicDQ = true> in
+// dualkv_bwd_sm90.cu (one CTA per 128-row key tile and kv head, walking every query head of the
+// GQA group and every 64-row query tile that attends the keys), restructured like the ws forward:
+//   warpgroup 0, producer (setmaxnreg 24): one warp. Lane 0 loads K and V once and, per step,
+//     the Q and dO tiles with TMA into a 3-stage ring; the 32 lanes load the step's 64 lse and
+//     delta values with plain loads into shared memory and arrive on the stage's mbarrier
+//     (release semantics order their st.shared before the arrival).
+//   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
+//     Per step: S^T = K Q^T, dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO,
+//     dK += dS^T Q (wgmma, register A), dQ += dS K (wgmma from a shared-memory copy of dS^T),
+//     added to the fp32 dQ buffer with float2 atomics. No CTA barrier: the consumers wait on
+//     mbarriers; the only consumer rendezvous is the dS^T exchange for dQ (D = 128: each
+//     consumer computes 64 of the 128 dQ columns over all 128 keys, so both halves of dS^T must
+//     be in shared memory: one 256-thread named barrier per step, dS^T double-buffered so the
+//     next step's writes cannot overtake the other consumer's dQ MMA; D = 64: each consumer
+//     computes a partial dQ over its own 64 keys, a 128-thread barrier of its own, twice the
+//     atomics but no divergent branch around a wgmma).
+//
+// mbarrier phases (query step i lives in stage i % 3, u = i / 3):
+//   kv_full: 1 arrival + the K/V bytes, parity 0.
+//   q_full[s]: 33 arrivals (lane 0's arrive.expect_tx + the 32 lanes after their lse/delta
+//     stores) + the Q/dO bytes; consumers wait for parity u & 1.
+//   empty[s]: 8 arrivals (lane 0 of each consumer warp) after the step's MMAs completed and its
+//     lse/delta were read; the producer waits for parity (u - 1) & 1 before refilling (i >= 3).
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <math.h>
+
+#include "dualkv_kernels.h"
+#include "dualkv_fwd_ws.h"
+#include "sm90_common.h"
+#include "sm90_ws_common.h"
+#include "wgmma_ops.h"
+
+namespace mdkv {
+namespace sm90ws {
+
+using sm90::desc;
+using sm90::fence_proxy_async;
+using sm90::pack2;
+using sm90::poff;
+using sm90::reg_fence;
+using sm90::smem_addr;
+using sm90::wg_commit;
+using sm90::wg_fence;
+using sm90::wg_wait;
+
+constexpr int kKVB = 128;    // key rows per CTA (2 consumers x 64)
+constexpr int kQTB = 64;     // query rows per step
+constexpr int kStagesB = 3;  // Q/dO/lse/delta ring depth
+constexpr int kThreadsB = 384;
+constexpr float kLog2eB = 1.4426950408889634f;
+
+template <typename T, int D>
+struct BwdSmem {
+  static constexpr int kTile = kQTB * D * (int)sizeof(T);
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + kKVB * D * (int)sizeof(T);
+  static constexpr int kQ = kV + kKVB * D * (int)sizeof(T);
+  static constexpr int kDO = kQ + kStagesB * kTile;
+  static constexpr int kDS = kDO + kStagesB * kTile;                   // 2 x [kKVB x kQTB] (dS^T)
+  static constexpr int kL = kDS + 2 * kKVB * kQTB * (int)sizeof(T);    // [kStagesB][kQTB] lse
+  static constexpr int kDl = kL + kStagesB * kQTB * (int)sizeof(float);  // [kStagesB][kQTB] delta
+  static constexpr int kBar = kDl + kStagesB * kQTB * (int)sizeof(float);
+  static constexpr int kBarCount = 1 + 2 * kStagesB;  // kv_full, q_full[], empty[]
+  static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreadsB, 1)
+    dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                   const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do, DkvArgs a) {
+  using L = BwdSmem<T, D>;
+  extern __shared__ unsigned char smem_raw[];
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+  T* sK = reinterpret_cast<T*>(base + L::kK);
+  T* sV = reinterpret_cast<T*>(base + L::kV);
+  T* sQ = reinterpret_cast<T*>(base + L::kQ);
+  T* sdO = reinterpret_cast<T*>(base + L::kDO);
+  T* sdS = reinterpret_cast<T*>(base + L::kDS);
+  float* sL = reinterpret_cast<float*>(base + L::kL);
+  float* sDl = reinterpret_cast<float*>(base + L::kDl);
+  const uint32_t bar0 = smem_addr(reinterpret_cast<void*>(base + L::kBar));
+  const uint32_t kv_full = bar0;
+  auto q_full = [&](int s) { return bar0 + 8u * (1 + s); };
+  auto empty = [&](int s) { return bar0 + 8u * (1 + kStagesB + s); };
+  auto stage = [](int i) { return i % kStagesB; };
+  auto parity = [](int i) { return (uint32_t)((i / kStagesB) & 1); };
+
+  const int group = a.hq / a.hkv;
+  const int item = blockIdx.x / a.hkv;
+  const int hk = blockIdx.x % a.hkv;
+  const int* w = a.work + item * 8;
+  const int k0 = w[0], k1 = w[1], seg_end = w[2], rlo = w[3], rhi = w[4], per_head = w[5];
+  const int n_own = (seg_end - k0 + kQTB - 1) / kQTB;
+  const int n_iter = per_head * group;
+
+  // query tile i of a head: the key tile's own causal rows first, then the merged child ranges
+  const int r0a = rhi > rlo ? a.ranges[2 * rlo] : 0, r0b = rhi > rlo ? a.ranges[2 * rlo + 1] : 0;
+  const int r0n = (r0b - r0a + kQTB - 1) / kQTB;
+  auto query_tile = [&](int i, int& q0, int& qend, bool& causal) {
+    if (i < n_own) {
+      q0 = k0 + i * kQTB;
+      qend = seg_end;
+      causal = true;
+      return;
+    }
+    i -= n_own;
+    if (i < r0n) {
+      q0 = r0a + i * kQTB;
+      qend = r0b;
+      causal = false;
+      return;
+    }
+    i -= r0n;
+    for (int r = rlo + 1; r < rhi; ++r) {
+      const int ra = a.ranges[2 * r], rb = a.ranges[2 * r + 1];
+      const int n = (rb - ra + kQTB - 1) / kQTB;
+      if (i < n) {
+        q0 = ra + i * kQTB;
+        qend = rb;
+        causal = false;
+        return;
+      }
+      i -= n;
+    }
+    q0 = 0;
+    qend = 0;
+    causal = false;
+  };
+
+  const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStagesB; ++s) {
+      mbar_init(q_full(s), 33);
+      mbar_init(empty(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (role == 0) {
+    // ------------------------------- producer -------------------------------
+    regs_dec<24>();
+    if (warp == 0) {
+      if (lane == 0) {
+        prefetch_map(&tm_k);
+        prefetch_map(&tm_v);
+        prefetch_map(&tm_q);
+        prefetch_map(&tm_do);
+        mbar_expect_tx(kv_full, 2 * kKVB * D * sizeof(T));
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) {
+          tma_load(smem_addr(sK + p * kKVB * 64), &tm_k, kv_full, p * 64, hk, k0);
+          tma_load(smem_addr(sV + p * kKVB * 64), &tm_v, kv_full, p * 64, hk, k0);
+        }
+      }
+      for (int i = 0; i < n_iter; ++i) {
+        const int st = stage(i);
+        if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
+        const int h = hk * group + i / per_head;
+        int q0, qend;
+        bool causal;
+        query_tile(i % per_head, q0, qend, causal);
+        if (lane == 0) {
+          mbar_expect_tx(q_full(st), 2 * kQTB * D * sizeof(T));
+#pragma unroll
+          for (int p = 0; p < D / 64; ++p) {
+            tma_load(smem_addr(sQ + st * kQTB * D + p * kQTB * 64), &tm_q, q_full(st), p * 64, h, q0);
+            tma_load(smem_addr(sdO + st * kQTB * D + p * kQTB * 64), &tm_do, q_full(st), p * 64, h, q0);
+          }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = lane; r < kQTB; r += 32) {
+          const int row = q0 + r;
+          const bool ok = row < qend;
+          const long idx = (long)h * a.T + (ok ? row : 0);
+          sL[st * kQTB + r] = ok ? a.lse[idx] : 0.f;
+          sDl[st * kQTB + r] = ok ? a.delta[idx] : 0.f;
+        }
+        mbar_arrive(q_full(st));
+      }
+    }
+    return;
+  }
+
+  // ------------------------------- consumers -------------------------------
+  regs_inc<240>();
+  const int cw = role - 1;
+  const int krow_a = k0 + cw * 64 + warp * 16 + (lane >> 2);  // key rows krow_a, krow_a + 8
+  const float sl2 = a.scale_log2;
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  mbar_wait(kv_full, 0);
+  for (int it = 0; it < n_iter; ++it) {
+    const int st = stage(it);
+    int q0, qend;
+    bool causal;
+    query_tile(it % per_head, q0, qend, causal);
+    const int h = hk * group + it / per_head;
+    const T* cQ = sQ + st * kQTB * D;
+    const T* cdO = sdO + st * kQTB * D;
+    const float* cL = sL + st * kQTB;
+    const float* cD = sDl + st * kQTB;
+    T* cdS = sdS + (it & 1) * kKVB * kQTB;
+    mbar_wait(q_full(st), parity(it));
+
+    float s[32], dp[32];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t dk_ = desc(sK + (kk >> 2) * kKVB * 64 + cw * 64 * 64 + (kk & 3) * 16, 16, 1024);
+      const uint64_t dq_ = desc(cQ + (kk >> 2) * kQTB * 64 + (kk & 3) * 16, 16, 1024);
+      wgmma_ss<64, T>(s, dk_, dq_, kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t dv_ = desc(sV + (kk >> 2) * kKVB * 64 + cw * 64 * 64 + (kk & 3) * 16, 16, 1024);
+      const uint64_t do_ = desc(cdO + (kk >> 2) * kQTB * 64 + (kk & 3) * 16, 16, 1024);
+      wgmma_ss<64, T>(dp, dv_, do_, kk > 0 ? 1 : 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+
+    const bool msk = (q0 + kQTB > qend) || (causal && q0 < k0 + kKVB);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
+        float p = exp2f(fmaf(s[4 * j + e], sl2, -cL[c] * kLog2eB));
+        if (msk) {
+          const int qrow = q0 + c;
+          const int krow = krow_a + (e >> 1) * 8;
+          if (qrow >= qend || (causal && qrow < krow)) p = 0.f;
+        }
+        s[4 * j + e] = p;
+        dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
+      }
+
+    uint32_t pa[4][4], da[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        pa[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+        da[kk][x] = pack2<T>(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
+      }
+    }
+    // dS^T rows (keys) x columns (queries) into shared memory for dQ = dS K
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = cw * 64 + warp * 16 + (lane >> 2) + hh * 8;
+        *reinterpret_cast<uint32_t*>(cdS + poff<kKVB>(r, j) + (lane & 3) * 2) = da[j >> 1][(j & 1) * 2 + hh];
+      }
+    fence_proxy_async();
+    if (D == 128)
+      named_sync(1, 256);       // both halves of dS^T written
+    else
+      named_sync(2 + cw, 128);  // this consumer's half written (it reads only that)
+
+    float dq[32];
+    reg_fence(dv);
+    reg_fence(dk);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t b = desc(cdO + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
+      wgmma_rs_tb<D, T>(dv, pa[kk], b, 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t b = desc(cQ + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
+      wgmma_rs_tb<D, T>(dk, da[kk], b, 1);
+    }
+    if (D == 128) {
+      // dQ[:, 64 cw : 64 cw + 64] over all 128 keys
+#pragma unroll
+      for (int kk = 0; kk < kKVB / 16; ++kk) {
+        const uint64_t a_ = desc(cdS + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        const uint64_t b_ = desc(sK + cw * kKVB * 64 + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
+      }
+    } else {
+      // dQ[:, 0:64] over this consumer's 64 keys (a partial sum; the other consumer adds its own)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint64_t a_ = desc(cdS + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        const uint64_t b_ = desc(sK + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
+      }
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(dv);
+    reg_fence(dk);
+    reg_fence(dq);
+    if (lane == 0) mbar_arrive(empty(st));  // Q, dO, lse, delta of this stage are no longer read
+
+    float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = q0 + warp * 16 + (lane >> 2) + hh * 8;
+      if (row < qend) {
+        float* rp = acc + (long)row * a.hq * D + (lane & 3) * 2;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
+      }
+    }
+  }
+
+  const long ks = (long)a.hkv * D;
+  T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
+  T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = krow_a + r * 8;
+    if (row < k1) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const long off = (long)row * ks + j * 8 + (lane & 3) * 2;
+        *reinterpret_cast<uint32_t*>(dkg + off) = pack2<T>(dk[4 * j + 2 * r] * a.scale, dk[4 * j + 2 * r + 1] * a.scale);
+        *reinterpret_cast<uint32_t*>(dvg + off) = pack2<T>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
+                            cudaStream_t stream) {
+  using L = BwdSmem<T, D>;
+  if (ka.dq_acc == nullptr) return cudaErrorInvalidValue;  // fast mode only
+  cudaError_t e = launch_delta(da, dtype, D, stream);
+  if (e != cudaSuccess) return e;
+  auto k = dkdv_ws_kernel<T, D>;
+  e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+  if (e != cudaSuccess) return e;
+  if (ka.num_items == 0 || ka.T == 0) return cudaSuccess;
+  CUtensorMap mk, mv, mq, mdo;
+  const int es = (int)sizeof(T);
+  if (!make_map(&mk, ka.k, dt, D, ka.hkv, ka.T, kKVB, es) || !make_map(&mv, ka.v, dt, D, ka.hkv, ka.T, kKVB, es) ||
+      !make_map(&mq, ka.q, dt, D, ka.hq, ka.T, kQTB, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.T, kQTB, es))
+    return cudaErrorInvalidResourceHandle;
+  k<<<(unsigned)ka.num_items * ka.hkv, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, ka);
+  return cudaGetLastError();
+}
+
+}  // namespace sm90ws
+
+cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream) {
+  if (dtype == kBF16 && d == 128)
+    return sm90ws::bwd_ws_t<__nv_bfloat16, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  if (dtype == kBF16 && d == 64)
+    return sm90ws::bwd_ws_t<__nv_bfloat16, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  if (dtype == kFP16 && d == 128)
+    return sm90ws::bwd_ws_t<__half, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  if (dtype == kFP16 && d == 64)
+    return sm90ws::bwd_ws_t<__half, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace mdkv
