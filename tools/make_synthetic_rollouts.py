@@ -7,6 +7,10 @@ Random token ids, 0/1 rewards and their group-normalised advantages (the same es
 training data path). Response lengths are uniform in [--response-len-min, --response-len]
 (equal to --response-len when no minimum is given), so the packer sees the ragged groups real
 rollouts have. No old/reference logprobs: the training step recomputes them.
+
+--replicate writes the same rollouts with every response as its own group of one (the prompt
+copied N times): run through the DualKV path it is exactly the replicated batch, on the same
+attention kernel, so an A/B of the two files isolates what deduplication saves.
 """
 
 from __future__ import annotations
@@ -55,9 +59,13 @@ def main() -> None:
     ap.add_argument("--response-len-min", type=int, default=None, help="shortest response (default: all equal)")
     ap.add_argument("--vocab-size", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replicate", action="store_true", help="one group per response (prompt copied)")
     args = ap.parse_args()
     records = make_synthetic_rollouts(args.groups, args.responses, args.prompt_len, args.response_len,
                                       args.response_len_min, args.vocab_size, args.seed)
+    if args.replicate:
+        records = [RolloutGroup(group_id=f"{r.group_id}-{i}", prompt=r.prompt, responses=[resp], advantages=[a])
+                   for r in records for i, (resp, a) in enumerate(zip(r.responses, r.advantages))]
     write_rollouts(records, args.out)
     packed = sum(len(r.prompt) + sum(r.response_lengths) for r in records)
     replicated = sum(len(r.prompt) * r.num_responses + sum(r.response_lengths) for r in records)
