@@ -80,7 +80,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
                    const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do, DkvArgs a) {
   using L = BwdSmem<T, D>;
   extern __shared__ unsigned char smem_raw[];
-  const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+  // 1024-aligned base as an offset from smem_raw (not through an integer cast), so the compiler
+  // keeps the shared address space: LDS/STS for lse, delta and dS^T instead of generic LD/ST
+  unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   T* sK = reinterpret_cast<T*>(base + L::kK);
   T* sV = reinterpret_cast<T*>(base + L::kV);
   T* sQ = reinterpret_cast<T*>(base + L::kQ);
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   T* sdS = reinterpret_cast<T*>(base + L::kDS);
   float* sL = reinterpret_cast<float*>(base + L::kL);
   float* sDl = reinterpret_cast<float*>(base + L::kDl);
-  const uint32_t bar0 = smem_addr(reinterpret_cast<void*>(base + L::kBar));
+  const uint32_t bar0 = smem_addr(base + L::kBar);
   const uint32_t kv_full = bar0;
   auto q_full = [&](int s) { return bar0 + 8u * (1 + s); };
   auto empty = [&](int s) { return bar0 + 8u * (1 + kStagesB + s); };
