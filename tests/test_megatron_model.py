@@ -415,3 +415,21 @@ def test_refusals_name_the_problem(pgs):
         model(layout.input_ids[None, :-1], layout=layout)
     with pytest.raises(TypeError, match="builds labels itself"):
         model(layout=layout, labels=layout.input_ids[None])
+
+
+def test_core_attention_hands_dense_tensors_to_the_kernels(pgs, monkeypatch):
+    """Megatron splits the fused QKV into strided views; the CUDA kernels take only dense
+    [T, H, D] rows (found on the GPU: a training step failed with 'v is not contiguous')."""
+    import megatron_dualkv.megatron.core_attention as ca
+
+    seen = []
+    real = ca.dualkv_attention
+
+    def checking(q, k, v, *args, **kwargs):
+        seen.append(tuple(t.is_contiguous() for t in (q, k, v)))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(ca, "dualkv_attention", checking)
+    model, _ = _pair(pgs)
+    model(layout=build_layout(_groups(), vocab_size=VOCAB))
+    assert seen and all(all(s) for s in seen), seen

@@ -144,7 +144,9 @@ def dualkv_logprobs(hf_model, groups, dtype, pgs, device, backend):
     # moe_router_dtype='fp32'; Megatron casts its float32 router weight to the input dtype)
     cfg = model_config_from_hf(hf_model.config, params_dtype=dtype, use_cpu_initialization=device.type == "cpu",
                                perform_initialization=False)
-    model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False, attention_backend=backend)
+    # .to(device): Megatron's torch norms (no TE/apex) create their weights on the CPU; its
+    # pretrain() moves models with .cuda(), so a standalone build must too
+    model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False, attention_backend=backend).to(device)
     load_hf_checkpoint(model, hf_model.state_dict())
     layout = build_layout(groups, vocab_size=cfg.vocab_size).to(device)
     out = model(layout=layout).logprobs.double().cpu()

@@ -180,6 +180,9 @@ class DualKVCoreAttention(MegatronModule):
             raise ValueError(f"DualKVCoreAttention expects qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
         if attention_bias is not None:
             raise ValueError("DualKVCoreAttention does not support an attention bias")
+        # Megatron splits the fused QKV projection into strided views; the fused kernels read dense
+        # [T, H, D] rows (a no-op for tensors that already are; with GQA K/V are the small ones).
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         shard = getattr(packed_seq_params, "cp_shard", None)
         cp = self.cp_group.size() if self.cp_group is not None else 1
         if shard is None and cp > 1:
