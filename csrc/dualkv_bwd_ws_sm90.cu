@@ -204,6 +204,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int cw = role - 1;
   const int krow_a = k0 + cw * 64 + warp * 16 + (lane >> 2);  // key rows krow_a, krow_a + 8
   const float sl2 = a.scale_log2;
+  const bool tile_short = k1 < k0 + kKVB;  // rows k1.. of sK / sV belong to another segment
 
   float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -242,7 +243,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     reg_fence(s);
     reg_fence(dp);
 
-    const bool msk = (q0 + kQTB > qend) || (causal && q0 < k0 + kKVB);
+    // Key rows k1..k0+127 of a short key tile hold the NEXT segment's keys (TMA loads the whole
+    // 128-row box; only rows past T are zero-filled, unlike the sm90 kernel's cp.async loads that
+    // zero every row >= k1). Their P^T / dS^T rows must be zeroed here: dK/dV of those rows are
+    // never stored, but dQ = dS K contracts over all 128 key rows, so unmasked rows would add the
+    // neighbours' keys to dQ (the causal own rows mask them anyway; the child ranges did not).
+    const bool msk = (q0 + kQTB > qend) || (causal && q0 < k0 + kKVB) || tile_short;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -252,7 +258,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         if (msk) {
           const int qrow = q0 + c;
           const int krow = krow_a + (e >> 1) * 8;
-          if (qrow >= qend || (causal && qrow < krow)) p = 0.f;
+          if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
         }
         s[4 * j + e] = p;
         dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);

@@ -1,0 +1,155 @@
+"""CPU model of the ws backward's tiling and masking (csrc/dualkv_bwd_ws_sm90.cu), in float64.
+
+    python csrc/ws_bwd_tile_model.py        (a few seconds; exit 0: the kernel's masking is exact)
+
+It replays dkdv_ws_kernel's work, tile by tile, with the kernel's data movement: the same kv items
+(128-row key tiles) and 64-row query tiles, K/V and Q/dO read as whole TMA boxes (rows past T
+zero, rows of a neighbouring segment NOT zero), lse/delta zero past qend, the kernel's P^T mask,
+dV/dK stored for rows < k1 only, dQ += dS K over all 128 key rows for rows < qend. It compares
+dq, dk, dv with the exact attention gradients of the same layouts, with the key-row mask of the
+kernel (krow >= k1) and, to show what it guards against, without it: the first GPU run of the ws
+backward (dq wrong, dk/dv exact, the error shrinking with T) is what the model gives without it.
+"""
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from megatron_dualkv.layout import SegmentTable  # noqa: E402
+from megatron_dualkv.ops.cuda_backend import build_work  # noqa: E402
+
+KV, QT = 128, 64  # key rows per CTA, query rows per step (kKVB, kQTB)
+
+
+def segments(groups, pad=0):
+    start, length, parent, pos = [], [], [], 0
+    for p, rs in groups:
+        root = len(start)
+        start.append(pos); length.append(p); parent.append(-1); pos += p
+        for r in rs:
+            start.append(pos); length.append(r); parent.append(root); pos += r
+    if pad:
+        start.append(pos); length.append(pad); parent.append(-1); pos += pad
+    return SegmentTable.from_host(start, length, parent, device="cpu")
+
+
+def exact(q, k, v, do, seg, scale):
+    """Dense float64 attention gradients with the DualKV mask (token i sees j: same segment and
+    j <= i, or j in i's parent segment); also lse and delta for the tile replay."""
+    t, hq, _ = q.shape
+    rep = hq // k.shape[1]
+    sid = torch.empty(t, dtype=torch.long)
+    for s, (a, n) in enumerate(zip(seg.host_start, seg.host_length)):
+        sid[a:a + n] = s
+    par = torch.tensor(seg.host_parent)[sid]
+    idx = torch.arange(t)
+    mask = ((sid[:, None] == sid[None, :]) & (idx[None, :] <= idx[:, None])) | (par[:, None] == sid[None, :])
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("ihd,jhd->hij", q, kk) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [h, t]
+    p = torch.exp(s - lse[..., None])
+    o = torch.einsum("hij,jhd->ihd", p, vv)
+    delta = (do * o).sum(-1).T  # [h, t]
+    dp = torch.einsum("ihd,jhd->hij", do, vv)
+    ds = p * (dp - delta[..., None])
+    dq = scale * torch.einsum("hij,jhd->ihd", ds, kk)
+    dk = scale * torch.einsum("hij,ihd->jhd", ds, q).reshape(t, -1, rep, q.shape[2]).sum(2)
+    dv = torch.einsum("hij,ihd->jhd", p, do).reshape(t, -1, rep, q.shape[2]).sum(2)
+    return lse, delta, dq, dk, dv
+
+
+def box(x, r0, rows):
+    """A TMA box of `rows` rows from r0: rows past T read as zero, nothing else is masked."""
+    out = torch.zeros((rows,) + x.shape[1:], dtype=x.dtype)
+    n = max(0, min(rows, x.shape[0] - r0))
+    out[:n] = x[r0:r0 + n]
+    return out
+
+
+def query_tiles(item, ranges):
+    k0, k1, seg_end, rlo, rhi = item[:5]
+    tiles = [(q0, seg_end, True) for q0 in range(k0, seg_end, QT)]
+    for r in range(rlo, rhi):
+        a, b = ranges[r]
+        tiles += [(q0, b, False) for q0 in range(a, b, QT)]
+    return tiles
+
+
+def replay(q, k, v, do, lse, delta, seg, scale, key_mask):
+    """dq, dk, dv as dkdv_ws_kernel computes them (key_mask: its P^T mask includes krow >= k1)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    _, kv_work, ranges = build_work(seg, row_tile=128, kv_tile=128)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for item in kv_work:
+        k0, k1 = item[0], item[1]
+        assert len(query_tiles(item, ranges)) == item[5], "tile count differs from the work list's per_head"
+        kb, vb = box(k, k0, KV), box(v, k0, KV)  # [128, hkv, d]
+        krow = k0 + torch.arange(KV)
+        for hk in range(hkv):
+            dk_acc = torch.zeros(KV, d, dtype=q.dtype)
+            dv_acc = torch.zeros(KV, d, dtype=q.dtype)
+            for h in range(hk * group, (hk + 1) * group):
+                for q0, qend, causal in query_tiles(item, ranges):
+                    qrow = q0 + torch.arange(QT)
+                    ok = qrow < qend
+                    qb, dob = box(q, q0, QT)[:, h], box(do, q0, QT)[:, h]
+                    lb = torch.where(ok, lse[h, qrow.clamp(max=t - 1)], torch.zeros(()))
+                    db = torch.where(ok, delta[h, qrow.clamp(max=t - 1)], torch.zeros(()))
+                    st = kb[:, hk] @ qb.T  # S^T [keys, queries]
+                    dpt = vb[:, hk] @ dob.T
+                    pt = torch.exp(st * scale - lb[None, :])
+                    dead = ~ok[None, :] | (causal & (qrow[None, :] < krow[:, None]))
+                    if key_mask:
+                        dead = dead | (krow[:, None] >= k1)
+                    pt = pt.masked_fill(dead, 0.0)
+                    dst = pt * (dpt - db[None, :])
+                    dv_acc += pt @ dob
+                    dk_acc += dst @ qb
+                    dq_tile = dst.T @ kb[:, hk]  # dQ = dS K over all 128 key rows of the box
+                    n = int(ok.sum())
+                    dq[q0:q0 + n, h] += dq_tile[:n]
+            dk[k0:k1, hk] = scale * dk_acc[:k1 - k0]
+            dv[k0:k1, hk] = dv_acc[:k1 - k0]
+    return scale * dq, dk, dv
+
+
+def rel(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def main():
+    # ws_smoke's first three layouts (fewer heads) and a shorter fourth: dense float64 [H, T, T]
+    # must stay small here (the GPU run's dq errors without the key mask: 1.7, 0.7-0.9, 2.1-2.4, 3.2e-2)
+    layouts = [
+        ([(5, [3])], 0, 8, 2, 128),
+        ([(100, [3, 70, 1]), (5, [9])], 3, 8, 2, 64),
+        ([(1000, [1, 129, 700]), (3, [2] * 5)], 9, 2, 1, 128),
+        ([(2059, [1, 2, 63, 64, 65, 129, 511])], 37, 1, 1, 64),
+    ]
+    bad = 0
+    for groups, pad, hq, hkv, d in layouts:
+        seg = segments(groups, pad)
+        t = seg.num_tokens
+        g = torch.Generator().manual_seed(t)
+        q, k, v, do = (torch.randn(t, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+        scale = 1 / math.sqrt(d)
+        lse, delta, ex_dq, ex_dk, ex_dv = exact(q, k, v, do, seg, scale)
+        for key_mask in (True, False):
+            dq, dk, dv = replay(q, k, v, do, lse, delta, seg, scale, key_mask)
+            e = [rel(dq, ex_dq), rel(dk, ex_dk), rel(dv, ex_dv)]
+            good = max(e) < 1e-10
+            if key_mask:
+                bad += not good
+            print(f"T={t} hq={hq} hkv={hkv} d={d} key-row mask {'on ' if key_mask else 'off'}: "
+                  f"rel(dq, dk, dv) vs exact {e[0]:.2e} {e[1]:.2e} {e[2]:.2e} {'exact' if good else 'WRONG'}",
+                  flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
