@@ -389,7 +389,7 @@ class Workload:
 # Activations: bytes saved for backward per token and layer
 # ------------------------------------------------------------------------------------------------
 
-def layer_activation_terms(shape: ModelShape, impl: Implementation) -> dict:
+def layer_activation_terms(shape: ModelShape, impl: Implementation, dualkv: bool = False) -> dict:
     """Bytes saved for backward per token of one layer, by term, before any sharding.
 
     `layer_bytes_per_token` shards them: the hidden-sized terms of _SEQUENCE_TERMS are divided by TP
@@ -415,10 +415,14 @@ def layer_activation_terms(shape: ModelShape, impl: Implementation) -> dict:
         "q_norm": qk_norm(hq, input_is_view=False),  # Megatron reshapes Q into a copy
         "k_norm": qk_norm(hkv, input_is_view=True),
         "rope_tables": 8 * d if impl.rope == "unfused" else 0,  # cos, sin (bf16) for q and for k
-        "attn_qkv": 2 * (hq + hkv + (hkv if impl.attention_copies_v else 0)) * d,  # rotated q, k (+ v copy)
+        "attn_qkv": 2 * (hq + hkv + (hkv if impl.attention_copies_v or dualkv else 0)) * d,  # rotated q, k (+ v copy)
         "attn_out_lse": 2 * hq * d + 4 * hq,  # output (also linear_proj's input) and fp32 LSE
         "mlp_norm": norm_h,
     }
+    if dualkv:
+        # The DualKV core attention hands the kernels dense K and V copies, so nothing keeps the
+        # fused QKV output alive (its V view was the last holder).
+        t["qkv_output"] = 0
     if shape.is_moe:
         f, k, E = shape.moe_ffn_hidden_size, shape.moe_router_topk, shape.num_moe_experts
         t["router"] = 2 * h + 4 * E + 44 * k + 5  # input, fp32 scores, top-k probs/indices, permutation maps
@@ -434,9 +438,9 @@ def layer_activation_terms(shape: ModelShape, impl: Implementation) -> dict:
 _SEQUENCE_TERMS = ("input_norm", "qkv_input", "mlp_norm", "fc1_input", "router", "expert_input")
 
 
-def layer_bytes_per_token(shape: ModelShape, impl: Implementation, par: Parallel) -> float:
+def layer_bytes_per_token(shape: ModelShape, impl: Implementation, par: Parallel, dualkv: bool = False) -> float:
     """Saved bytes per micro-batch token of one layer on one GPU (before the CP split), none recomputed."""
-    t = layer_activation_terms(shape, impl)
+    t = layer_activation_terms(shape, impl, dualkv)
     tp = par.tp
     total = 0.0
     for name, v in t.items():
@@ -531,15 +535,15 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
     st = static_bytes(shape, par)
     h, L, tp, cp = shape.hidden_size, shape.num_layers, par.tp, par.cp
     tokens = mb.tokens / cp  # this rank's rows
-    per_layer = layer_bytes_per_token(shape, impl, par) * tokens
-    terms = layer_activation_terms(shape, impl)
+    per_layer = layer_bytes_per_token(shape, impl, par, work.dualkv) * tokens
+    terms = layer_activation_terms(shape, impl, work.dualkv)
     if not work.dualkv and impl.rope == "unfused":
         # bshd: the cos/sin tables are per position, shared by the micro-batch's sequences
         per_layer -= terms["rope_tables"] / tp * tokens * (1 - 1 / max(1, mb.responses))
     if par.cp > 1 and par.cp_comm == "all_gather":
         # the attention keeps the all-gathered K and V of the whole micro-batch, not the local ones
         kv_d = shape.num_query_groups * shape.kv_channels
-        per_layer -= 2 * kv_d * (2 if impl.attention_copies_v else 1) / tp * tokens
+        per_layer -= 2 * kv_d * (2 if impl.attention_copies_v or work.dualkv else 1) / tp * tokens
         per_layer += 4 * kv_d / tp * mb.tokens
     layer_input = (2 * h / (tp if par.sp else 1)) * tokens  # what full recomputation keeps per layer
     # Backward workspace, as fractions of one layer's saved activations (measured on the
@@ -552,6 +556,11 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
         saved = per_layer
         if recompute == "selective":  # core attention recomputed: its inputs are kept, output and LSE not
             saved -= (4 * shape.num_attention_heads / tp) * tokens
+            if work.dualkv and not impl.attention_copies_v:
+                # the checkpoint keeps V as Megatron made it, a view of the fused QKV output, and
+                # never sees the core attention's dense copy
+                d, hq, hkv = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
+                saved += (2 * (hq + 2 * hkv) * d - 2 * hkv * d) / tp * tokens
         stored_layers = L * saved
         workspace = WORKSPACE_NONE * per_layer
     if shape.is_moe:
