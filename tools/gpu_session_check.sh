@@ -3,7 +3,8 @@
 # $OUT: CUDA-kernel and compiled-Flex (local queries) tests, the equivalence demo on the GPU, the
 # HF bf16 comparison, and a training A/B (deduplicated vs the same rollouts replicated, same kernel).
 # Usage on the device machine, repo root, carrying .whl (megatron-core wheel) and .gpu (built _C.so):
-#   bash tools/gpu_session_check.sh kernel        # ws smoke, kernel + CP-flex GPU tests, ws timings
+#   bash tools/gpu_session_check.sh kernel        # ws smoke (fwd, bwd), kernel GPU tests, ws timings
+#                                                 # (CP_FLEX=1: also the compiled-Flex CP test)
 #   bash tools/gpu_session_check.sh integration   # demo, HF bf16 check, training A/B
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -25,14 +26,24 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 
 if [ "$1" = kernel ]; then
-  # the warp-specialized kernels are opt-in and new: smoke-test them first (a hang is killed), and
-  # leave them out of the tests if they fail
-  step ws_smoke 60 python3 csrc/ws_smoke.py
+  # the warp-specialized kernels are opt-in and new: smoke-test the forward and the backward
+  # separately (a hang is killed), and leave each out of the tests and timings if it fails.
+  # ~3 min on the H100 (smoke 2 x ~10 s, tests ~80 s, bench ~60 s); CP flex left out (it passed)
+  step ws_smoke_fwd 60 python3 csrc/ws_smoke.py --part fwd; FWD_RC=$LAST_RC
+  step ws_smoke_bwd 60 python3 csrc/ws_smoke.py --part bwd; BWD_RC=$LAST_RC
+  # test ids: "wsfwd" uses the ws forward, "wsbwd" the ws backward (tests/gpu/test_cuda_kernel.py)
   K=()
-  if [ "$LAST_RC" != 0 ]; then K=(-k "not ws"); export MEGATRON_DUALKV_BENCH_NO_WS=1; fi
+  if [ "$FWD_RC" != 0 ] && [ "$BWD_RC" != 0 ]; then K=(-k "not wsfwd and not wsbwd")
+  elif [ "$FWD_RC" != 0 ]; then K=(-k "not wsfwd")
+  elif [ "$BWD_RC" != 0 ]; then K=(-k "not wsbwd"); fi
+  echo "ws forward smoke rc=$FWD_RC, ws backward smoke rc=$BWD_RC: tests ${K[*]:-all}"
   step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernel.py "${K[@]}"
-  step cp_flex_gpu 90 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k compiled_flex
-  [ -z "$MEGATRON_DUALKV_BENCH_NO_WS" ] && step bench_ws 150 python3 csrc/bench_cuda.py --ws
+  [ -n "$CP_FLEX" ] && step cp_flex_gpu 90 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k compiled_flex
+  # ws forward (and ws fwd+bwd when the backward passed) next to the defaults on all published shapes
+  if [ "$FWD_RC" = 0 ]; then
+    [ "$BWD_RC" != 0 ] && export MEGATRON_DUALKV_BENCH_NO_WS_BWD=1
+    TAIL=14 step bench_ws 150 python3 csrc/bench_cuda.py --ws
+  fi
   exit 0
 fi
 step demo_gpu 90 python3 examples/equivalence_demo.py --groups 8

@@ -158,11 +158,12 @@ def poison_allocator(nbytes):
     del x
 
 
-def run_kernel(q, k, v, dout, seg, scale, deterministic=False, impl=None):
+def run_kernel(q, k, v, dout, seg, scale, deterministic=False, impl=None, bwd_impl=None):
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
-    # impl names the forward and the backward ("ws" with deterministic=True runs the sm90 backward)
-    bwd = impl if impl in cuda_backend.BWD_IMPLS else ("sm90" if impl else None)
+    # impl names the forward (and the backward unless bwd_impl is given; "ws" with
+    # deterministic=True runs the sm90 backward)
+    bwd = bwd_impl or (impl if impl in cuda_backend.BWD_IMPLS else ("sm90" if impl else None))
     out, lse = cuda_backend.forward(qq, kk, vv, seg, scale, deterministic=deterministic, fwd_impl=impl,
                                     bwd_impl=bwd)
     out.backward(dout)
@@ -181,25 +182,35 @@ CASES = [
 ]
 
 
+# forward + backward kernel pairs. The warp-specialized ids carry "wsfwd" / "wsbwd" so that each
+# ws kernel can be selected or left out on its own (tools/gpu_session_check.sh: -k "not wsbwd" when
+# only the ws forward passed its smoke check, ...)
+IMPLS = {
+    "sm90": ("sm90", "sm90"),            # fast mode: dQ by fp32 atomics in the dK/dV kernel
+    "mma": ("mma", "mma"),
+    "sm90-dq-kernel": ("sm90", "sm90"),  # the dQ kernel (the deterministic path) in fast mode
+    "wsfwd": ("ws", "sm90"),
+    "wsfwd-no-pingpong": ("ws", "sm90"),  # consumers issuing without turns
+    "wsbwd": ("sm90", "ws"),
+    "wsfwd-wsbwd": ("ws", "ws"),
+}
+
+
 @gpu
-@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS + ("sm90-dq-kernel", "ws-no-pingpong"))
+@pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
-    # "sm90": fast mode, dQ by fp32 atomics in the dK/dV kernel; "sm90-dq-kernel": the dQ kernel
-    # (the deterministic path) with deterministic=False; "ws-no-pingpong": the warp-specialized
-    # forward with its consumers issuing without turns
     if impl == "sm90-dq-kernel":
         monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
-        impl = "sm90"
-    if impl == "ws-no-pingpong":
+    if impl == "wsfwd-no-pingpong":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PINGPONG", "0")
-        impl = "ws"
+    fwd, bwd = IMPLS[impl]
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     t = seg.num_tokens
     scale = 1.0 / math.sqrt(d)
     q, k, v, dout = inputs(t, hq, hkv, d, dtype, seed=1234 + case + random.randrange(1 << 20))
-    out, lse, dq, dk, dv = run_kernel(q, k, v, dout, seg, scale, impl=impl)
+    out, lse, dq, dk, dv = run_kernel(q, k, v, dout, seg, scale, impl=fwd, bwd_impl=bwd)
     for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x).all(), f"{name}: non-finite elements (unwritten or overflow)"
     ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout, seg, scale)
@@ -209,7 +220,8 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
                                    ("dv", dv, r_dv, ex_dv)):
         e_k, e_r = rel(mine, truth), rel(rep, truth)
         lines.append(f"{name}: kernel {e_k:.3e} replicated-SDPA {e_r:.3e}")
-        assert e_k <= e_r * SLACK + 1e-7, f"{name}: kernel error {e_k:.3e} exceeds replicated SDPA error {e_r:.3e}"
+        assert e_k <= e_r * SLACK + 1e-7, (
+            f"{impl} (forward {fwd}, backward {bwd}) {name}: kernel error {e_k:.3e} exceeds replicated SDPA error {e_r:.3e}")
     lse_err = (lse.double() - ex_lse).abs().max().item()
     lines.append(f"lse max abs err {lse_err:.3e}")
     print(f"case {case} {impl} T={t}: " + "; ".join(lines))
@@ -228,16 +240,16 @@ def test_matches_lead_reference_small():
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["0", "1", "ws"])
+@pytest.mark.parametrize("variant", ["0", "1", "wsfwd"])
 @pytest.mark.parametrize("d", [128, 64])
 def test_forward_kernels_agree(variant, d, monkeypatch):
     """The wgmma forwards (both tile variants, and the warp-specialized "ws") and the mma.sync
     forward compute the same function."""
-    if variant != "ws":
+    if variant != "wsfwd":
         monkeypatch.setenv("MEGATRON_DUALKV_SM90_FWD_VARIANT", variant)
     seg = make_segments([(1000, [1, 129, 700]), (3, [2] * 5)], pad=9)
     q, k, v, _ = inputs(seg.num_tokens, 32, 8, d, torch.bfloat16, seed=random.randrange(1 << 20))
-    a_out, a_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="ws" if variant == "ws" else "sm90")
+    a_out, a_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="ws" if variant == "wsfwd" else "sm90")
     b_out, b_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="mma")
     ex_out, ex_lse = exact(q, k, v, q, seg, 0.08)[:2]
     assert rel(a_out, ex_out) <= rel(b_out, ex_out) * 1.05
@@ -245,14 +257,39 @@ def test_forward_kernels_agree(variant, d, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("impl", cuda_backend.FWD_IMPLS)
+@pytest.mark.parametrize("impl", ["sm90", "mma", "wsfwd"])  # wsfwd: ws forward, sm90 deterministic backward
 def test_deterministic_bitwise(impl):
     seg = make_segments([(3001, [5, 900, 2048, 1]), (100, [50] * 8)], pad=5)
     q, k, v, dout = inputs(seg.num_tokens, 32, 8, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    impl = "ws" if impl == "wsfwd" else impl
     a = run_kernel(q, k, v, dout, seg, 0.088, deterministic=True, impl=impl)
     b = run_kernel(q, k, v, dout, seg, 0.088, deterministic=True, impl=impl)
     for x, y, name in zip(a, b, ("out", "lse", "dq", "dk", "dv")):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs"
+
+
+@gpu
+@pytest.mark.parametrize("d", [128, 64])
+def test_wsbwd_dq_matches_sm90(d):
+    """The ws backward against the sm90 fast backward on the same forward, gradient by gradient:
+    dk, dv bitwise (same per-CTA accumulation order), dq within bf16 rounding (fp32 atomics in
+    another order), dq against float64 no worse than sm90's. The layout has short key tiles of a
+    prompt followed by its responses (the ws kernel's TMA box then holds the responses' keys: the
+    case its first GPU run got wrong in dq only)."""
+    seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [17] * 9)], pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    ref = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="sm90")
+    ws = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="ws")
+    assert torch.equal(ws[3], ref[3]), f"dk differs from sm90's: rel {rel(ws[3], ref[3]):.3e}"
+    assert torch.equal(ws[4], ref[4]), f"dv differs from sm90's: rel {rel(ws[4], ref[4]):.3e}"
+    assert torch.isfinite(ws[2]).all(), "dq: non-finite elements"
+    ex_dq = exact(q, k, v, dout, seg, 0.1)[2]
+    e_ws, e_ref = rel(ws[2], ex_dq), rel(ref[2], ex_dq)
+    bad_rows = ((ws[2].float() - ref[2].float()).flatten(1).norm(dim=1) >
+                1e-2 * ref[2].float().flatten(1).norm(dim=1) + 1e-3).nonzero().flatten().tolist()
+    assert rel(ws[2], ref[2]) < 1e-2 and not bad_rows, (
+        f"dq: rel {rel(ws[2], ref[2]):.3e} vs sm90, rows off: {bad_rows[:20]} ({len(bad_rows)} in all)")
+    assert e_ws <= e_ref * SLACK + 1e-7, f"dq error vs float64 {e_ws:.3e} exceeds sm90's {e_ref:.3e}"
 
 
 @gpu
