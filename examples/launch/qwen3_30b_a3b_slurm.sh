@@ -7,24 +7,50 @@
 #   CKPT_DIR  Megatron checkpoints (resumed from when it holds one)
 #   LOAD_DIR  initial policy as a Megatron checkpoint (optional, "-": random init)
 #
-# Parallel layout (16 GPUs): EP=8 inside a node, TP=1, DP=16 for the dense part (expert DP=2),
-# PP=1, CP=1.
-#   - Parameters: 29.0B in experts (48 layers x 128 x 3 x 2048 x 768), 1.54B dense (attention
-#     0.91B, embeddings + output 0.62B, routers, norms). Per GPU with EP=8: 16 experts per layer,
-#     3.6B expert params -> bf16 7.3 GB + fp32 main grads 14.5 GB + Adam 12 B/param sharded over
-#     expert-DP=2: 21.8 GB; dense 1.54B -> 3.1 + 6.2 + 12*1.54/16 = 10.5 GB. ~54 GB before activations:
-#     the rest holds a packed micro-batch of 8K tokens with full recomputation. tools/plan_memory.py
-#     (N=8, P=2048, R=768) predicts 65.7 GiB + 3 reserve of 79 per GPU:
-#       python tools/plan_memory.py --model 30b-a3b --tp 1 --ep 8 --dp 16 --n 8 --p 2048 --r 768 \
-#           --max-tokens 8192 --recompute full
-#     Rerun it (or its --sweep --world 16) with your rollouts' N, P, R before a long run.
-#     EP=16 (across nodes) would halve the expert memory but send every token's all-to-all over
-#     InfiniBand instead of NVLink; EP=8 keeps the dispatcher inside the node.
-#   - TP=1: hidden 2048 and 32 heads / 4 KV groups make the dense matmuls too small to split
-#     profitably; TP would add two all-reduces per layer for little memory (dense is 1.5B).
-#   - DP=16 over both nodes: only gradients (dense all-reduce, expert reduce over 2 ranks) cross
-#     the nodes, overlapped with the backward (--overlap-grad-reduce).
-#   - PP is not supported with packed micro-batches; CP comes with its own issue.
+# Parallel layout (16 GPUs): TP=4 with sequence parallelism inside a node, DP=4, EP=8 inside a node
+# (expert TP=1, expert DP=2), PP=1, CP=1, full recomputation, 40,960 tokens per micro-batch.
+# Chosen with tools/plan_memory.py for the issue-8 workload (N=32 responses of R=2048 tokens on a
+# P=8192-token prompt, 128 groups per step); predictions from assumed rates, not measured on a GPU
+# (docs/PLANNER.md):
+#     python tools/plan_memory.py --model 30b-a3b --sweep --world 16 --n 32 --p 8192 --r 2048 \
+#         --groups-per-step 128 --no-cp --dualkv-only
+#   | layout                      | recompute | responses per sub-group | mb/rank | GiB  | step s |
+#   | TP4+SP DP4 EP8 EDP2         | full      | 16 of 32                | 64      | 64.4 | 119.8  |  <- this script
+#   | TP2+SP DP8 EP8 EDP2         | full      | 11 of 32                | 48      | 74.4 | 123.2  |
+#   | TP4+SP DP4 EP4 EDP4         | full      | 8 of 32                 | 128     | 74.6 | 133.8  |
+#   | TP2+SP DP8 EP4 ETP2 EDP2    | full      | 11 of 32                | 48      | 74.4 | 138.4  |
+#   | TP4+SP DP4 EP2 ETP4 EDP2    | full      | 16 of 32                | 64      | 64.4 | 161.2  |
+#   | TP1 DP16 EP8 EDP2           | full      | 4 of 32                 | 64      | 71.8 | 162.0  |  (previous layout)
+#   ("GiB": predicted peak per GPU before the planner's 3 GiB reserve; the budget is 79.1. The best
+#   stock, replicated layout, TP4+SP DP4 EP8, is predicted at 261.6 s: 2.18x.)
+#     python tools/plan_memory.py --model 30b-a3b --tp 4 --dp 4 --ep 8 --etp 1 --n 32 --p 8192 \
+#         --r 2048 --groups-per-step 128 --max-tokens 40960 --recompute full --dualkv-only
+#   -> weights 7.5 + fp32 grads 15.0 + Adam 21.4 + activations 2.1 + logits 4.6 + transient 13.9
+#      = 64.4 GiB (+3 reserve) of 79; 119.8 s per step (attention 53.8, dense 8.0, experts 21.1,
+#      TP communication 7.8, EP all-to-all 27.1), MFU 20.8%.
+#   - Why 40,960 tokens: P + 16 R = 8192 + 16 x 2048; the packer splits each 32-response group into
+#     2 sub-groups of 16, each carrying the prompt. The previous 8,192-token budget cannot hold the
+#     prompt plus one response (10,240 tokens): the packer refuses the workload. At TP=1 the largest
+#     budget that fits is 16,384 tokens (sub-groups of 4, the prompt computed 8 times per group):
+#     162.0 s, so this layout is predicted 26% less time per step.
+#   - Why TP=4 + SP: TP divides the vocabulary-sized logits ([response tokens, 151936 / TP] fp32, the
+#     largest activation) and the layer activations, so 4x larger sub-groups fit; with SP each rank
+#     also dispatches only its shard of the tokens, which cuts the EP all-to-all volume per GPU.
+#     The TP collectives stay on NVLink and are counted above (7.8 s of 119.8). TP2+SP DP8 is
+#     within 3% but predicted at 74.4 GiB; TP4 leaves the most headroom of the top rows.
+#   - --expert-tensor-parallel-size 1: otherwise Megatron sets expert TP = TP (4), which all-gathers
+#     the dispatched tokens (the EP2 ETP4 row, 161.2 s). TP4 x DP4 = 16 for the dense part, EP8 x
+#     ETP1 x expert-DP2 = 16 for the experts.
+#   - EP=8 inside the node: 16 experts per layer per GPU; EP=16 would send the all-to-all over
+#     InfiniBand (every EP=16 layout ranks below these). Experts 29.0B -> 3.6B per GPU: the
+#     dominant static item (Adam sharded over expert-DP 2).
+#   - Full recomputation is the price of a big micro-batch without CP (the same micro-batch without
+#     recomputation: 119.8 GiB predicted).
+#   - Micro-batches per step: 128 groups x 2 sub-groups / DP 4 = 64 per rank, so
+#     --global-batch-size = 4 x 64. Unused slots (shorter responses pack tighter) run no model work.
+#   - Other shapes: rerun the sweep with your rollouts' N, P, R and set TP, EP,
+#     TOKENS_PER_MICRO_BATCH (and MICRO_BATCHES_PER_RANK or SUBGROUPS_PER_GROUP) before a long run.
+#   - PP is not supported with packed micro-batches; CP is refused by the training script for now.
 #
 #SBATCH --job-name=grpo-dualkv-30b-a3b
 #SBATCH --nodes=2
@@ -42,12 +68,14 @@ shift $(( $# >= 3 ? 3 : $# ))
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 NNODES=${SLURM_NNODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+TP=${TP:-4}
 EP=${EP:-8}
 WORLD=$(( NNODES * GPUS_PER_NODE ))
-DP=$WORLD   # TP=1, PP=1, CP=1
-MICRO_BATCHES_PER_RANK=${MICRO_BATCHES_PER_RANK:-8}
-TOKENS_PER_MICRO_BATCH=${TOKENS_PER_MICRO_BATCH:-8192}
+DP=$(( WORLD / TP ))   # PP=1, CP=1
+TOKENS_PER_MICRO_BATCH=${TOKENS_PER_MICRO_BATCH:-40960}
 GROUPS_PER_STEP=${GROUPS_PER_STEP:-128}
+SUBGROUPS_PER_GROUP=${SUBGROUPS_PER_GROUP:-2}   # N=32, P=8K, R=2K at 40,960 tokens: 16 + 16
+MICRO_BATCHES_PER_RANK=${MICRO_BATCHES_PER_RANK:-$(( (GROUPS_PER_STEP * SUBGROUPS_PER_GROUP + DP - 1) / DP ))}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
 
@@ -64,7 +92,8 @@ ARGS=(
   --rollouts "$ROLLOUTS" --groups-per-step "$GROUPS_PER_STEP"
   --max-tokens-per-micro-batch "$TOKENS_PER_MICRO_BATCH"
   --clip-low 0.2 --clip-high 0.28 --kl-beta 0.0 --loss-aggregation token
-  --tensor-model-parallel-size 1 --expert-model-parallel-size "$EP"
+  --tensor-model-parallel-size "$TP" --sequence-parallel
+  --expert-model-parallel-size "$EP" --expert-tensor-parallel-size 1
   --moe-token-dispatcher-type alltoall --moe-router-dtype fp32
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
   --bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
