@@ -11,7 +11,7 @@
 # (expert TP=1, expert DP=2), PP=1, CP=1, full recomputation, 40,960 tokens per micro-batch.
 # Chosen with tools/plan_memory.py for the issue-8 workload (N=32 responses of R=2048 tokens on a
 # P=8192-token prompt, 128 groups per step); predictions from assumed rates, not measured on a GPU
-# (docs/PLANNER.md):
+# (docs/PLANNER.md; numbers from the planner at commit dc30cb8):
 #     python tools/plan_memory.py --model 30b-a3b --sweep --world 16 --n 32 --p 8192 --r 2048 \
 #         --groups-per-step 128 --no-cp --dualkv-only
 #   | layout                      | recompute | responses per sub-group | mb/rank | GiB  | step s |
@@ -19,6 +19,7 @@
 #   | TP2+SP DP8 EP8 EDP2         | full      | 11 of 32                | 48      | 74.4 | 123.2  |
 #   | TP4+SP DP4 EP4 EDP4         | full      | 8 of 32                 | 128     | 74.6 | 133.8  |
 #   | TP2+SP DP8 EP4 ETP2 EDP2    | full      | 11 of 32                | 48      | 74.4 | 138.4  |
+#   | TP4+SP DP4 EP16 EDP1        | none      | 8 of 32                 | 128     | 74.6 | 155.1  |
 #   | TP4+SP DP4 EP2 ETP4 EDP2    | full      | 16 of 32                | 64      | 64.4 | 161.2  |
 #   | TP1 DP16 EP8 EDP2           | full      | 4 of 32                 | 64      | 71.8 | 162.0  |  (previous layout)
 #   ("GiB": predicted peak per GPU before the planner's 3 GiB reserve; the budget is 79.1. The best
@@ -42,10 +43,10 @@
 #     the dispatched tokens (the EP2 ETP4 row, 161.2 s). TP4 x DP4 = 16 for the dense part, EP8 x
 #     ETP1 x expert-DP2 = 16 for the experts.
 #   - EP=8 inside the node: 16 experts per layer per GPU; EP=16 would send the all-to-all over
-#     InfiniBand (every EP=16 layout ranks below these). Experts 29.0B -> 3.6B per GPU: the
-#     dominant static item (Adam sharded over expert-DP 2).
+#     InfiniBand (the best EP=16 layout ranks 5th, 155.1 s, 79.5 s of it communication). Experts
+#     29.0B -> 3.6B per GPU: the dominant static item (Adam sharded over expert-DP 2).
 #   - Full recomputation is the price of a big micro-batch without CP (the same micro-batch without
-#     recomputation: 119.8 GiB predicted).
+#     recomputation: 115.1 GiB predicted).
 #   - Micro-batches per step: 128 groups x 2 sub-groups / DP 4 = 64 per rank, so
 #     --global-batch-size = 4 x 64. Unused slots (shorter responses pack tighter) run no model work.
 #   - Other shapes: rerun the sweep with your rollouts' N, P, R and set TP, EP,

@@ -11,12 +11,12 @@
 # Parallel layout (8 GPUs): TP=2 with sequence parallelism, DP=4, PP=1, CP=1, full recomputation,
 # 30,720 tokens per micro-batch. Chosen with tools/plan_memory.py for the issue-8 workload
 # (N=32 responses of R=2048 tokens on a P=8192-token prompt, 64 groups per step); predictions from
-# assumed rates, not measured on a GPU (docs/PLANNER.md):
+# assumed rates, not measured on a GPU (docs/PLANNER.md; numbers from the planner at commit dc30cb8):
 #     python tools/plan_memory.py --model 8b --sweep --world 8 --n 32 --p 8192 --r 2048 \
 #         --groups-per-step 64 --no-cp --dualkv-only
 #   | layout      | recompute | micro-batch (responses per sub-group) | mb/rank | GiB  | step s |
-#   | TP4+SP DP2  | none      | 11 of 32                               | 96      | 74.2 | 106.0  |
-#   | TP8+SP DP1  | none      | 16 of 32                               | 128     | 52.3 | 120.5  |
+#   | TP4+SP DP2  | none      | 11 of 32                               | 96      | 71.0 | 106.0  |
+#   | TP8+SP DP1  | none      | 16 of 32                               | 128     | 50.2 | 120.5  |
 #   | TP2+SP DP4  | full      | 11 of 32                               | 48      | 64.4 | 121.0  |  <- this script
 #   | TP1 DP8     | full      | 3 of 32                                | 88      | 75.2 | 177.2  |
 #   ("GiB": predicted peak per GPU before the planner's 3 GiB reserve; the budget is 79.1.)
@@ -25,14 +25,15 @@
 #   -> weights 7.6 + fp32 grads 15.3 + Adam 11.4 + activations 4.5 + logits 6.4 + transient 19.1
 #      = 64.4 GiB (+3 reserve) of 79; 121.0 s per step, MFU 31.0%.
 #   - Why TP2 + full recomputation, not the top row: TP4 without recomputation is predicted 12%
-#     faster but leaves 1.9 GiB of headroom (74.2 + 3 of 79.1), less than the planner's own error on
-#     the live peak (within 15% on the CPU, never measured on a GPU). TP2 + full leaves 11.7 GiB.
+#     faster but leaves 5.1 GiB of headroom (71.0 + 3 of 79.1, 7%), less than the planner's own error
+#     on the live peak (within 15% on the CPU, seen up to +13%; never measured on a GPU). TP2 + full
+#     leaves 11.7 GiB.
 #     To run the top row instead: TP=4 RECOMPUTE=none (MICRO_BATCHES_PER_RANK follows DP).
 #   - Why 30,720 tokens: P + 11 R = 8192 + 11 x 2048. The packer splits each 32-response group into
 #     sub-groups of 11, 11 and 10 responses, each carrying the prompt (3 prompt passes per group).
 #     The previous 12,288-token budget (selective recomputation) held sub-groups of 2 responses
-#     (16 prompt passes per group): 69.7 GiB, 194.5 s predicted, i.e. this layout is predicted 38%
-#     faster. Selective (core_attn) recomputation saves almost nothing with a flash-style attention
+#     (16 prompt passes per group): 67.1 GiB, 194.5 s predicted, i.e. this layout is predicted to
+#     take 38% less time per step. Selective (core_attn) recomputation saves almost nothing with a flash-style attention
 #     (only the LSE); full recomputation is what lets the sub-groups grow.
 #   - Micro-batches per step: 64 groups x 3 sub-groups / DP 4 = 48 per rank, so
 #     --global-batch-size = 4 x 48. Unused slots (shorter responses pack tighter) run no model work.
