@@ -15,11 +15,12 @@ Kernels (sm_90a, Hopper; see docs/PERF.md "CUDA kernel"):
     deterministic=False: dQ accumulated in fp32 by the dK/dV kernel with atomics (faster;
                          workspace fp32 [T, Hq, D]); MEGATRON_DUALKV_ATOMIC_DQ=0 turns it off.
 - `fwd` / `bwd`: the first, mma.sync (sm_80-style) kernels, kept as fwd_impl/bwd_impl="mma".
-- `fwd_ws_sm90` (opt-in, fwd_impl="ws" or MEGATRON_DUALKV_CUDA_FWD=ws): warp-specialized forward,
-  a TMA producer warp and two consumer warpgroups in ping-pong (csrc/dualkv_fwd_ws_sm90.cu).
-- `bwd_ws_sm90` (opt-in, bwd_impl="ws" or MEGATRON_DUALKV_CUDA_BWD=ws): warp-specialized dK/dV
-  kernel with atomic dQ (csrc/dualkv_bwd_ws_sm90.cu); fast mode only: deterministic=True runs
-  the sm90 backward.
+- `fwd_ws_sm90` (the default forward since the H100 run of 2026-11-22: 528-624 useful TFLOP/s
+  against 370-424 for fwd_sm90): warp-specialized forward, a TMA producer warp and two consumer
+  warpgroups in ping-pong (csrc/dualkv_fwd_ws_sm90.cu).
+- `bwd_ws_sm90` (the default fast-mode backward): warp-specialized dK/dV kernel with atomic dQ
+  (csrc/dualkv_bwd_ws_sm90.cu); deterministic=True runs the sm90 backward.
+An extension built before the ws ops existed falls back to the sm90 kernels.
 
 Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
 on the host once per layout and cached on the `SegmentTable`; any segment lengths (tails masked).
@@ -198,12 +199,12 @@ def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, 
     return segments.cached(("cuda_backend_work", str(device)), build)
 
 
-FWD_IMPLS = ("sm90", "mma", "ws")  # "ws": warp-specialized kernels, opt-in
+FWD_IMPLS = ("sm90", "mma", "ws")  # "ws": warp-specialized kernels, the default where built
 BWD_IMPLS = ("sm90", "mma", "ws")
 
 
-def _impl(name: Optional[str], env: str, what: str, choices: tuple = FWD_IMPLS) -> str:
-    name = name or os.environ.get(env) or "sm90"
+def _impl(name: Optional[str], env: str, what: str, choices: tuple = FWD_IMPLS, ws_op: str = "fwd_ws_sm90") -> str:
+    name = name or os.environ.get(env) or ("ws" if _has_op(ws_op) else "sm90")
     if name not in choices:
         raise ValueError(f"unknown {what} kernel {name!r}; choose one of {choices}")
     return name
@@ -308,14 +309,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
             bwd_impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """(out [T, Hq, D], lse [Hq, T] float32). Differentiable in q, k, v through `out`.
 
-    fwd_impl / bwd_impl: "sm90" (wgmma, default), "mma" (mma.sync kernels) or "ws" (the
-    warp-specialized kernels, opt-in; the ws backward has no deterministic mode, so with
-    deterministic=True it runs the sm90 one); $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD
-    set the defaults.
+    fwd_impl / bwd_impl: "ws" (warp-specialized, default where the extension has it), "sm90"
+    (wgmma, synchronous) or "mma" (mma.sync kernels); the ws backward has no deterministic mode, so
+    with deterministic=True it runs the sm90 one. $MEGATRON_DUALKV_CUDA_FWD /
+    $MEGATRON_DUALKV_CUDA_BWD set the defaults.
     """
     _check(q, k, v, segments)
     fi = _impl(fwd_impl, "MEGATRON_DUALKV_CUDA_FWD", "forward")
-    bi = _impl(bwd_impl, "MEGATRON_DUALKV_CUDA_BWD", "backward", BWD_IMPLS)
+    bi = _impl(bwd_impl, "MEGATRON_DUALKV_CUDA_BWD", "backward", BWD_IMPLS, "bwd_ws_sm90")
     for kind, op in ((fi, "fwd_ws_sm90"), (bi, "bwd_ws_sm90")):
         if kind == "ws" and not _has_op(op):
             raise RuntimeError(f"DualKV CUDA backend: impl 'ws' needs op megatron_dualkv::{op}; the loaded extension "
