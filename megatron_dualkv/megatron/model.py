@@ -40,6 +40,7 @@ from megatron.core.models.gpt import GPTModel
 
 from ..cp import CPShard, cp_shard, gather_edges
 from ..layout import PackedLayout
+from .chunked_logits import OutputHead, check_chunk_rows, edge_logprobs_from_rows
 from .core_attention import DualKVPackedSeqParams, dualkv_packed_seq_params
 from .logprobs import EdgeLogprobs, vocab_parallel_logprobs
 from .router import DualKVTopKRouter
@@ -53,14 +54,19 @@ class DualKVGPTModel(GPTModel):
     cp_chunks_per_rank, cp_chunk_multiple: how a PackedLayout is split under context
     parallelism (`megatron_dualkv.cp.cp_partition`); under sequence parallelism the chunk
     multiple must make every rank's rows a multiple of tp.
+    logits_chunk_rows: opt-in; compute the output layer and log-softmax over chunks of at most
+    this many loss edges, recomputed in backward (megatron_dualkv.megatron.chunked_logits), so no
+    [edges, vocab/tp] logits are kept for backward. None (default): one pass. forward() takes the
+    same keyword to override it for one call.
     """
 
     def __init__(self, *args, replicate_moe_aux_loss: bool = True, cp_chunks_per_rank: int = 8,
-                 cp_chunk_multiple: int = 128, **kwargs):
+                 cp_chunk_multiple: int = 128, logits_chunk_rows: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.replicate_moe_aux_loss = replicate_moe_aux_loss
         self.cp_chunks_per_rank = cp_chunks_per_rank
         self.cp_chunk_multiple = cp_chunk_multiple
+        self.logits_chunk_rows = check_chunk_rows(logits_chunk_rows)
         self._dualkv_routers = [m for m in self.modules() if isinstance(m, DualKVTopKRouter)]
         if self.mtp_process:
             raise ValueError("DualKVGPTModel does not support multi-token prediction (mtp_block_spec)")
@@ -106,6 +112,7 @@ class DualKVGPTModel(GPTModel):
         layout: Optional[PackedLayout] = None,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        logits_chunk_rows: Optional[int] = None,
         **kwargs,
     ):
         if layout is None:
@@ -138,7 +145,8 @@ class DualKVGPTModel(GPTModel):
             padding_mask=rows.padding_mask[None],
             output_processor=_edge_logprobs_output,
             output_processor_context=(full, float(temperature), bool(with_entropy), self.pg_collection.tp, shard,
-                                      self.pg_collection.cp if shard is not None else None),
+                                      self.pg_collection.cp if shard is not None else None,
+                                      check_chunk_rows(logits_chunk_rows) or self.logits_chunk_rows),
             **{k: v for k, v in kwargs.items() if k not in ("packed_seq_params", "padding_mask")},
         )
 
@@ -196,7 +204,7 @@ def _cp_rotary_table(table: Tensor, shard: CPShard) -> Tensor:
 
 def _edge_logprobs_output(*, hidden_states: Tensor, output_layer, output_weight, context, scale_logits, **_) -> EdgeLogprobs:
     """GPTModel output_processor: logits only at the loss edges, then vocab-parallel logprobs."""
-    layout, temperature, with_entropy, tp_group, shard, cp_group = context
+    layout, temperature, with_entropy, tp_group, shard, cp_group, chunk_rows = context
     h = hidden_states  # [T (or T/tp under sequence parallelism), 1, hidden]; T = this rank's rows under CP
     sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
     if sequence_parallel and tp_group.size() > 1:
@@ -208,17 +216,9 @@ def _edge_logprobs_output(*, hidden_states: Tensor, output_layer, output_weight,
         raise ValueError(f"decoder returned {h.shape[0]} rows, expected {num_rows}")
     # [E, 1, hidden] (this rank's edges under CP); shared prompt rows repeat
     rows = h.index_select(0, layout.source_rows if shard is None else shard.edge_source)
-    output_layer.sequence_parallel = False  # rows are replicated on every TP rank now
-    try:
-        logits, _ = output_layer(rows, weight=output_weight, runtime_gather_output=False)
-    finally:
-        output_layer.sequence_parallel = sequence_parallel
-    logits = scale_logits(logits).squeeze(1)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if temperature != 1.0:
-        logits = logits / temperature
     targets = layout.target_ids if shard is None else shard.target_ids
-    logprobs, entropy = vocab_parallel_logprobs(logits, targets, tp_group, with_entropy)
+    head = OutputHead(output_layer, output_weight, scale_logits, temperature, tp_group, with_entropy)
+    logprobs, entropy = edge_logprobs_from_rows(rows, targets, head, chunk_rows)
     if shard is not None:
         logprobs = gather_edges(logprobs, shard, cp_group)
         entropy = None if entropy is None else gather_edges(entropy, shard, cp_group)

@@ -17,6 +17,8 @@ Our options (group "dualkv"):
   --model-size               Qwen3 preset (tiny, tiny-moe, 8b, 30b-a3b): expands to Megatron shape flags
   --peak-tflops              per-device peak for MFU (default: known GPUs, else MFU is not printed)
   --step-log FILE            the step records as JSON lines (full precision), besides the printed line
+  --logits-chunk-rows N      opt-in: output layer + log-softmax over chunks of N loss edges, recomputed in
+                             backward (no [edges, vocab/tp] logits kept; docs/MEGATRON.md); default: one pass
 
 A Megatron "sample" is one packed micro-batch: --micro-batch-size must be 1, and
 --global-batch-size / data-parallel size is the most micro-batches a rank may get per step (the
@@ -66,6 +68,9 @@ def add_dualkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak TFLOP/s for MFU")
     g.add_argument("--step-log", default=None, help="also append every step's record to this file, one JSON object a line")
     g.add_argument("--demo", action="store_true", help="the embedded default job (also what no arguments run)")
+    g.add_argument("--logits-chunk-rows", type=int, default=None,
+                   help="opt-in: compute the output layer and log-softmax over chunks of this many loss edges, "
+                        "recomputed in backward, so no [edges, vocab/tp] logits are kept (DualKV model only)")
     return parser
 
 
@@ -116,6 +121,9 @@ def check_parallelism(args) -> None:
         raise ValueError(f"--groups-per-step must be >= 1, got {args.groups_per_step}")
     if args.updates_per_batch < 1:
         raise ValueError(f"--updates-per-batch must be >= 1, got {args.updates_per_batch}")
+    chunk = getattr(args, "logits_chunk_rows", None)
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"--logits-chunk-rows must be >= 1 (or left out for one pass), got {chunk}")
 
 
 def loss_config_from_args(args) -> PolicyLossConfig:

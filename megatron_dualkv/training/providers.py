@@ -69,9 +69,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     check_parallelism(args)
     cfg = model_config_from_args(args, config)
     use_te = None if args.transformer_impl == "transformer_engine" else False
-    return build_policy_model(cfg, dualkv=not args.no_dualkv, pg_collection=pg_collection,
-                              pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                              use_transformer_engine=use_te)
+    model = build_policy_model(cfg, dualkv=not args.no_dualkv, pg_collection=pg_collection,
+                               pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                               use_transformer_engine=use_te)
+    if not args.no_dualkv:  # opt-in chunked output layer (--logits-chunk-rows; None: one pass)
+        model.logits_chunk_rows = getattr(args, "logits_chunk_rows", None)
+    return model
 
 
 def model_shape_from_args(args, transformer_config=None) -> ModelShape:
