@@ -236,7 +236,7 @@ class Implementation:
     stock_logits: the stock path's loss: 'all_rows' (Megatron's GPTModel loss: fp32 cross entropy over
       every row) or 'edges' (our --no-dualkv baseline, megatron_dualkv.megatron.replicated: bf16
       logits at every row, fp32 log-softmax at the loss edges only).
-    logits_chunk_rows: WHAT-IF, not implemented in the model: the output layer and logprobs run
+    logits_chunk_rows: the model's opt-in chunked output (--logits-chunk-rows): the output layer and logprobs run
       over chunks of this many rows and are recomputed in backward, so no [rows, vocab/TP] fp32
       tensor outlives its chunk (costs one more output-layer forward).
     """

@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     i.add_argument("--stock-logits", choices=("all_rows", "edges"), default="all_rows",
                    help="stock loss: Megatron's cross entropy over every row, or our --no-dualkv baseline (edges)")
     i.add_argument("--logits-chunk-rows", type=int, default=None,
-                   help="WHAT-IF (not implemented in the model): logits computed and recomputed in chunks of rows")
+                   help="the model's opt-in --logits-chunk-rows: logits computed and recomputed in chunks of rows")
     h = ap.add_argument_group("hardware and assumed rates (defaults: docs/PLANNER.md)")
     for f in dataclasses.fields(Hardware):
         if f.name != "name":
