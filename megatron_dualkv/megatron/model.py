@@ -60,6 +60,13 @@ class DualKVGPTModel(GPTModel):
     same keyword to override it for one call.
     """
 
+    # Class-level defaults of the options __init__ sets: a stock GPTModel converted in place
+    # (integrations.nemo_rl.convert swaps __class__ without calling __init__) still has them.
+    replicate_moe_aux_loss: bool = True
+    cp_chunks_per_rank: int = 8
+    cp_chunk_multiple: int = 128
+    logits_chunk_rows: Optional[int] = None
+
     def __init__(self, *args, replicate_moe_aux_loss: bool = True, cp_chunks_per_rank: int = 8,
                  cp_chunk_multiple: int = 128, logits_chunk_rows: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
