@@ -17,6 +17,9 @@ The table gives |logprob - reference| over all response tokens. Pass (exit code 
 mean and 99.9th-percentile errors are no larger than transformers' own bf16 errors (times
 1 + --slack), and DualKV float32 (exact reference attention by default: it checks the conversion,
 not a kernel) agrees with the reference to float32 rounding (--fp32-tol).
+With --moe, a routing diagnostic follows the table: per MoE layer, how many tokens got a different
+top-k expert set in the two float32 models; whether each logprob error above 1e-2 has a routing
+difference at its position or earlier in its sequence; the top-k margins at the differing tokens.
 """
 
 from __future__ import annotations
@@ -134,8 +137,172 @@ def megatron_world(device: torch.device):
             dist.destroy_process_group()
 
 
+class RouterLog:
+    """Router logits and chosen top-k expert sets, per MoE layer, in call order (forward hooks).
+
+    transformers: hooks on each layer's `mlp.gate` (Qwen3MoeTopKRouter -> (logits, scores,
+    indices)), one call per [prompt | response] sequence. Megatron: hooks on each layer's
+    `mlp.router` (TopKRouter -> (probs, routing_map [T, E])), one call over the packed rows."""
+
+    def __init__(self):
+        self.logits: dict[int, list[torch.Tensor]] = {}  # layer -> per call [tokens, E] float32, CPU
+        self.chosen: dict[int, list[torch.Tensor]] = {}  # layer -> per call [tokens, E] bool, CPU
+        self._handles = []
+
+    def _record(self, layer: int, logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        self.logits.setdefault(layer, []).append(logits.detach().float().cpu())
+        self.chosen.setdefault(layer, []).append(chosen.detach().bool().cpu())
+
+    def attach_transformers(self, hf_model) -> "RouterLog":
+        for i, layer in enumerate(hf_model.model.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None or not hasattr(gate, "top_k"):
+                continue  # a dense (mlp_only) layer
+
+            def hook(module, args, output, i=i):
+                logits, _, indices = output
+                chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
+                self._record(i, logits, chosen)
+
+            self._handles.append(gate.register_forward_hook(hook))
+        return self
+
+    def attach_megatron(self, model) -> "RouterLog":
+        for i, layer in enumerate(model.decoder.layers):
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+
+            def hook(module, args, output, i=i):
+                x = args[0].reshape(-1, module.weight.shape[1])
+                # the logits Megatron's gating computed (float32 model: input dtype), for the margins
+                logits = torch.nn.functional.linear(x.to(module.weight.dtype), module.weight)
+                self._record(i, logits, output[1].reshape(logits.shape))
+
+            self._handles.append(router.register_forward_hook(hook))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def topk_margin(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """k-th minus (k+1)-th largest router probability per token (softmax over all experts)."""
+    top = torch.softmax(logits.float(), dim=-1).topk(k + 1, dim=-1).values
+    return top[:, k - 1] - top[:, k]
+
+
+def routing_diagnostic(hf_log: RouterLog, mg_log: RouterLog, layout, groups, err: torch.Tensor, top_k: int,
+                       err_threshold: float = 1e-2, max_rows: int = 10) -> None:
+    """Compares the top-k expert sets of the two float32 models at every position of every
+    [prompt | response] sequence (packed rows mapped back through the layout's segments) and ties
+    the large logprob errors to routing differences at the scored position or before it."""
+    layers = sorted(hf_log.chosen)
+    if sorted(mg_log.chosen) != layers:
+        raise ValueError(f"MoE layers differ: transformers {layers}, Megatron {sorted(mg_log.chosen)}")
+    seg = layout.segments
+    n_scored = 0
+    per_layer_scored = {l: 0 for l in layers}
+    per_layer_any = {l: 0 for l in layers}
+    n_positions = 0
+    diff_margins_hf, diff_margins_mg, all_margins_hf = [], [], []
+    # per sequence: first position (any layer) whose expert set differs, and per position whether it differs
+    seq_diff: list[torch.Tensor] = []
+    seq_first_layer: list[torch.Tensor] = []
+    call = 0
+    for g, group in enumerate(groups):
+        p = len(group.prompt)
+        ps = layout.group_prompt_segment[g]
+        prompt_rows = torch.arange(seg.host_start[ps], seg.host_start[ps] + p)
+        for ri, response in enumerate(group.responses):
+            rs = layout.group_response_segments[g][ri]
+            rows = torch.cat([prompt_rows, torch.arange(seg.host_start[rs], seg.host_start[rs] + len(response))])
+            n = len(rows)
+            # the rows must be this sequence's tokens at rotary positions 0..n-1
+            if not (torch.equal(layout.position_ids.cpu()[rows], torch.arange(n))
+                    and layout.input_ids.cpu()[rows].tolist() == list(group.prompt) + list(response)):
+                raise ValueError(f"group {g} response {ri}: packed rows do not map back to its sequence")
+            # position q predicts token q+1: scored positions are P-1 .. P+R-2
+            scored = torch.zeros(n, dtype=torch.bool)
+            scored[p - 1:p - 1 + len(response)] = True
+            differs = torch.zeros(len(layers), n, dtype=torch.bool)
+            for li, l in enumerate(layers):
+                hf_chosen, hf_logits = hf_log.chosen[l][call], hf_log.logits[l][call]
+                mg_chosen, mg_logits = mg_log.chosen[l][0][rows], mg_log.logits[l][0][rows]
+                if hf_chosen.shape != mg_chosen.shape:
+                    raise ValueError(f"layer {l}, sequence {g}/{ri}: transformers routed {tuple(hf_chosen.shape)}, "
+                                     f"Megatron rows {tuple(mg_chosen.shape)}")
+                d = (hf_chosen != mg_chosen).any(dim=-1)
+                differs[li] = d
+                per_layer_scored[l] += int((d & scored).sum())
+                per_layer_any[l] += int(d.sum())
+                m_hf = topk_margin(hf_logits, top_k)
+                all_margins_hf.append(m_hf)
+                diff_margins_hf.append(m_hf[d])
+                diff_margins_mg.append(topk_margin(mg_logits, top_k)[d])
+            any_layer = differs.any(dim=0)
+            first_layer = torch.where(any_layer, differs.float().argmax(dim=0), torch.full((n,), -1))
+            seq_diff.append(any_layer)
+            seq_first_layer.append(first_layer)
+            n_scored += len(response)
+            n_positions += n
+            call += 1
+    print(f"Routing diagnostic (float32, top-{top_k}): tokens whose expert sets differ, transformers vs DualKV Megatron")
+    print()
+    print("| MoE layer | scored positions differing | all positions differing |")
+    print("|---|---|---|")
+    for l in layers:
+        print(f"| {l} | {per_layer_scored[l]} / {n_scored} | {per_layer_any[l]} / {n_positions} |")
+    print()
+    hf_m, mg_m = torch.cat(diff_margins_hf), torch.cat(diff_margins_mg)
+    all_m = torch.cat(all_margins_hf)
+    if hf_m.numel():
+        print(f"top-k margin (k-th minus (k+1)-th router probability) at the {hf_m.numel()} differing (layer, position)s: "
+              f"smallest {hf_m.min():.3e} (transformers) / {mg_m.min():.3e} (Megatron), largest {hf_m.max():.3e} "
+              f"/ {mg_m.max():.3e}; median over all (layer, position)s {all_m.median():.3e}")
+    else:
+        print(f"no routing differences; median top-k margin over all (layer, position)s {all_m.median():.3e}")
+    # errors above the threshold: routing difference at the scored position, only before it, or none
+    offsets, labels = [], []
+    for g, group in enumerate(groups):
+        for ri, response in enumerate(group.responses):
+            offsets.extend((len(labels), len(group.prompt) - 1 + t) for t in range(len(response)))
+            labels.append(f"{group.label(g)} response {ri}")
+    big = (err.abs() > err_threshold).nonzero()[:, 0].tolist()
+    counts = {"at the token": 0, "only at an earlier token": 0, "none at or before the token": 0}
+    rows_out = []
+    for e in big:
+        s, q = offsets[e]
+        here = bool(seq_diff[s][q])
+        before = bool(seq_diff[s][:q].any())
+        kind = "at the token" if here else ("only at an earlier token" if before else "none at or before the token")
+        counts[kind] += 1
+        earliest = int(seq_diff[s][:q + 1].nonzero()[0, 0]) if (here or before) else None
+        rows_out.append((abs(err[e].item()), s, q, kind, earliest,
+                         int(seq_first_layer[s][earliest]) if earliest is not None else None))
+    print()
+    print(f"{len(big)} scored tokens with |logprob error| > {err_threshold:g}; routing difference:")
+    print()
+    print("| routing difference | tokens |")
+    print("|---|---|")
+    for kind, c in counts.items():
+        print(f"| {kind} | {c} |")
+    if rows_out:
+        print()
+        print(f"largest {min(max_rows, len(rows_out))}:")
+        print()
+        print("| abs err | sequence | position | routing difference | earliest differing position (first layer) |")
+        print("|---|---|---|---|---|")
+        for a, s, q, kind, earliest, layer in sorted(rows_out, reverse=True, key=lambda r: r[0])[:max_rows]:
+            where = "-" if earliest is None else f"{earliest} ({layer})"
+            print(f"| {a:.3e} | {labels[s]} | {q} | {kind} | {where} |")
+    print()
+
+
 @torch.no_grad()
-def dualkv_logprobs(hf_model, groups, dtype, pgs, device, backend):
+def dualkv_logprobs(hf_model, groups, dtype, pgs, device, backend, router_log: RouterLog | None = None):
     from megatron_dualkv import build_layout
     from megatron_dualkv.checkpoint import load_hf_checkpoint, model_config_from_hf
     from megatron_dualkv.megatron import build_dualkv_model
@@ -149,7 +316,13 @@ def dualkv_logprobs(hf_model, groups, dtype, pgs, device, backend):
     model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False, attention_backend=backend).to(device)
     load_hf_checkpoint(model, hf_model.state_dict())
     layout = build_layout(groups, vocab_size=cfg.vocab_size).to(device)
-    out = model(layout=layout).logprobs.double().cpu()
+    if router_log is not None:
+        router_log.attach_megatron(model)
+    try:
+        out = model(layout=layout).logprobs.double().cpu()
+    finally:
+        if router_log is not None:
+            router_log.detach()
     del model
     return out, layout
 
@@ -201,9 +374,16 @@ def main(argv=None) -> int:
 
     rows = []
     with megatron_world(device) as pgs:
-        ref = hf_logprobs(hf, groups, device)
+        # --moe: record both float32 models' routing (routing_diagnostic below)
+        hf_routes = RouterLog().attach_transformers(hf) if args.moe else None
+        try:
+            ref = hf_logprobs(hf, groups, device)
+        finally:
+            if hf_routes is not None:
+                hf_routes.detach()
         rows.append(("transformers", "float32", hf.config._attn_implementation, ref))
-        lp32, layout = dualkv_logprobs(hf, groups, torch.float32, pgs, device, args.fp32_backend)
+        mg_routes = RouterLog() if args.moe else None
+        lp32, layout = dualkv_logprobs(hf, groups, torch.float32, pgs, device, args.fp32_backend, mg_routes)
         be32 = chosen_backend(layout, torch.float32, device, shape["head_dim"], shape["num_attention_heads"],
                               args.fp32_backend)
         rows.append(("DualKV Megatron", "float32", be32, lp32))
@@ -229,6 +409,8 @@ def main(argv=None) -> int:
     ok32 = results[("DualKV Megatron", "float32")][0] <= args.fp32_tol
     d16, h16 = results[("DualKV Megatron", "bfloat16")], results[("transformers", "bfloat16")]
     ok16 = d16[1] <= h16[1] * (1 + args.slack) and d16[2] <= h16[2] * (1 + args.slack)
+    if args.moe:
+        routing_diagnostic(hf_routes, mg_routes, layout, groups, lp32 - ref, shape["num_experts_per_tok"])
     print(f"DualKV float32 vs reference: {'OK' if ok32 else 'FAIL'} (max {results[('DualKV Megatron', 'float32')][0]:.2e})")
     print(f"DualKV bf16 error / transformers bf16 error: mean {d16[1] / h16[1]:.3f}, p99.9 {d16[2] / h16[2]:.3f} "
           f"-> {'OK' if ok16 else 'FAIL'} (allowed <= {1 + args.slack:.2f})")
