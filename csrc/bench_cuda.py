@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from megatron_dualkv.flops import group_pairs
 from megatron_dualkv.layout import SegmentTable
 from megatron_dualkv.ops import cuda_backend
 
@@ -20,15 +21,11 @@ SHAPES = [(28, 4096), (28, 16384), (16, 32768), (28, 32768), (16, 65536)]
 
 
 def layout(n, p, r):
-    start, length, parent = [0], [p], [-1]
-    pos = p
-    for _ in range(n):
-        start.append(pos); length.append(r); parent.append(0); pos += r
-    return SegmentTable.from_host(start, length, parent, device="cuda")
+    return SegmentTable.from_group_lengths([(p, [r] * n)], device="cuda")
 
 
 def pairs(n, p, r):
-    return p * (p + 1) // 2 + n * (r * p + r * (r + 1) // 2)
+    return group_pairs(p, [r] * n)[0]
 
 
 def timed(fn, reps):

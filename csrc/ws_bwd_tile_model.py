@@ -23,18 +23,6 @@ from megatron_dualkv.ops.cuda_backend import build_work  # noqa: E402
 KV, QT = 128, 64  # key rows per CTA, query rows per step (kKVB, kQTB)
 
 
-def segments(groups, pad=0):
-    start, length, parent, pos = [], [], [], 0
-    for p, rs in groups:
-        root = len(start)
-        start.append(pos); length.append(p); parent.append(-1); pos += p
-        for r in rs:
-            start.append(pos); length.append(r); parent.append(root); pos += r
-    if pad:
-        start.append(pos); length.append(pad); parent.append(-1); pos += pad
-    return SegmentTable.from_host(start, length, parent, device="cpu")
-
-
 def exact(q, k, v, do, seg, scale):
     """Dense float64 attention gradients with the DualKV mask (token i sees j: same segment and
     j <= i, or j in i's parent segment); also lse and delta for the tile replay."""
@@ -133,7 +121,7 @@ def main():
     ]
     bad = 0
     for groups, pad, hq, hkv, d in layouts:
-        seg = segments(groups, pad)
+        seg = SegmentTable.from_group_lengths(groups, pad, "cpu")
         t = seg.num_tokens
         g = torch.Generator().manual_seed(t)
         q, k, v, do = (torch.randn(t, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))

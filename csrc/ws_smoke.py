@@ -25,18 +25,6 @@ from megatron_dualkv.layout import SegmentTable
 from megatron_dualkv.ops import cuda_backend
 
 
-def segments(groups, pad=0):
-    start, length, parent, pos = [], [], [], 0
-    for p, rs in groups:
-        root = len(start)
-        start.append(pos); length.append(p); parent.append(-1); pos += p
-        for r in rs:
-            start.append(pos); length.append(r); parent.append(root); pos += r
-    if pad:
-        start.append(pos); length.append(pad); parent.append(-1); pos += pad
-    return SegmentTable.from_host(start, length, parent, device="cuda")
-
-
 LAYOUTS = [  # (groups, pad, hq, hkv, d); short prompt key tiles followed by responses in each
     ([(5, [3])], 0, 8, 2, 128),
     ([(100, [3, 70, 1]), (5, [9])], 3, 8, 2, 64),
@@ -106,7 +94,7 @@ def check_backward(q, k, v, seg, scale, label):
 
 
 def published(device="cuda"):
-    seg = segments([(P, [R] * N)])
+    seg = SegmentTable.from_group_lengths([(P, [R] * N)], device="cuda")
     fl = 4 * 128 * 32 * (P * (P + 1) // 2 + N * (R * P + R * (R + 1) // 2))
     q, k, v = (torch.randn(seg.num_tokens, h, 128, device=device, dtype=torch.bfloat16) for h in (32, 8, 8))
     return seg, fl, q, k, v
@@ -165,7 +153,7 @@ def main(argv):
     bad = 0
     for dtype in (torch.bfloat16, torch.float16):
         for groups, pad, hq, hkv, d in LAYOUTS:
-            seg = segments(groups, pad)
+            seg = SegmentTable.from_group_lengths(groups, pad, "cuda")
             t = seg.num_tokens
             g = torch.Generator(device="cuda").manual_seed(t)
             q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv))

@@ -156,9 +156,29 @@ class SegmentTable:
             num_tokens=pos, max_length=max(length), depth=depth,
         )
 
+    @staticmethod
+    def from_group_lengths(groups: Sequence[tuple[int, Sequence[int]]], pad: int = 0,
+                           device: torch.device | str = "cpu") -> "SegmentTable":
+        """Segments of packed GRPO groups given by their lengths, [(P, [R_1, ..., R_N]), ...],
+        followed by a padding root of `pad` tokens when pad > 0 (kernel tests and benchmarks)."""
+        start, length, parent = [], [], []
+        pos = 0
+        for p, rs in groups:
+            root = len(start)
+            for n, par in [(p, -1)] + [(r, root) for r in rs]:
+                start.append(pos); length.append(n); parent.append(par); pos += n
+        if pad:
+            start.append(pos); length.append(pad); parent.append(-1)
+        return SegmentTable.from_host(start, length, parent, device=device)
+
     @property
     def num_segments(self) -> int:
         return len(self.host_start)
+
+    def tree_ranges(self) -> list[tuple[int, int]]:
+        """Token ranges [lo, hi) of the segment trees: a root and its descendants are contiguous."""
+        roots = [self.host_start[s] for s, p in enumerate(self.host_parent) if p < 0]
+        return list(zip(roots, roots[1:] + [self.num_tokens]))
 
     @property
     def device(self) -> torch.device:

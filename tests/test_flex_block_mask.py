@@ -20,19 +20,6 @@ from megatron_dualkv.ops.reference import allowed_mask, reference_attention
 pytestmark = pytest.mark.skipif(flex_backend.flex_attention is None, reason="torch without FlexAttention")
 
 
-def make_segments(groups, pad=0):
-    start, length, parent = [], [], []
-    pos = 0
-    for p, rs in groups:
-        root = len(start)
-        start.append(pos); length.append(p); parent.append(-1); pos += p
-        for r in rs:
-            start.append(pos); length.append(r); parent.append(root); pos += r
-    if pad:
-        start.append(pos); length.append(pad); parent.append(-1); pos += pad
-    return SegmentTable.from_host(start, length, parent)
-
-
 def dense_block_classes(seg, block):
     t = seg.num_tokens
     idx = torch.arange(t)
@@ -54,7 +41,7 @@ def test_block_classes_equal_dense_mask():
         groups = [(rng.randint(1, 300), [rng.randint(1, 150) for _ in range(rng.randint(1, 5))])
                   for _ in range(rng.randint(1, 3))]
         block = rng.choice([16, 32, 64])
-        seg = make_segments(groups, pad=rng.choice([0, 7]))
+        seg = SegmentTable.from_group_lengths(groups, pad=rng.choice([0, 7]))
         full, partial = flex_backend.block_classes(seg, block, block)
         want_full, want_partial = dense_block_classes(seg, block)
         assert torch.equal(full, want_full), (groups, block)
@@ -70,7 +57,7 @@ def test_block_classes_deeper_tree():
 
 
 def test_padding_is_its_own_root_segment():
-    seg = make_segments([(130, [1, 7])])
+    seg = SegmentTable.from_group_lengths([(130, [1, 7])])
     padded = flex_backend.padded_segments(seg)
     assert padded.num_tokens == 256
     assert padded.host_parent[-1] == -1 and padded.host_length[-1] == 256 - 138
@@ -79,7 +66,7 @@ def test_padding_is_its_own_root_segment():
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (3, 3)])
 def test_eager_flex_matches_reference(hq, hkv):
-    seg = make_segments([(37, [5, 1, 60]), (130, [1, 90]), (3, [7])], pad=4)
+    seg = SegmentTable.from_group_lengths([(37, [5, 1, 60]), (130, [1, 90]), (3, [7])], pad=4)
     t = seg.num_tokens
     q = torch.randn(t, hq, 16, dtype=torch.float64)
     k = torch.randn(t, hkv, 16, dtype=torch.float64)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_dualkv import Group, LayoutError, build_layout
+from megatron_dualkv import Group, LayoutError, SegmentTable, build_layout
 
 
 def test_segments_positions_and_edges_of_two_groups():
@@ -76,3 +76,13 @@ def test_group_from_replicated_rows_checks_the_prompts():
 def test_non_integer_ids_are_rejected():
     with pytest.raises(LayoutError, match="token ids must be integers"):
         build_layout([(torch.tensor([1.0, 2.0]), [[3]])])
+
+
+def test_segment_table_from_group_lengths_matches_build_layout():
+    """The length-only constructor (kernel tests, benchmarks) describes what the packer builds."""
+    groups = [([1, 2, 3], [[4, 5], [6]]), ([7], [[8, 9, 10]])]
+    lay = build_layout(groups, pad_to_multiple=4)
+    seg = SegmentTable.from_group_lengths([(3, [2, 1]), (1, [3])], pad=2)
+    assert (seg.host_start, seg.host_length, seg.host_parent) == (
+        lay.segments.host_start, lay.segments.host_length, lay.segments.host_parent)
+    assert seg.tree_ranges() == [(0, 6), (6, 10), (10, 12)]

@@ -104,8 +104,7 @@ def randn(*shape):
 
 
 def group_segments(n, p, r) -> SegmentTable:
-    start = [0] + [p + i * r for i in range(n)]
-    return SegmentTable.from_host(start, [p] + [r] * n, [-1] + [0] * n, device="cuda")
+    return SegmentTable.from_group_lengths([(p, [r] * n)], device="cuda")
 
 
 def _flex_static_entry(q, k, v, block_mask, scale):

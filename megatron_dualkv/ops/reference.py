@@ -15,14 +15,6 @@ from torch import Tensor
 from ..layout import SegmentTable
 
 
-def _tree_ranges(segments: SegmentTable) -> list[tuple[int, int]]:
-    """Token ranges of the segment trees: a root and its descendants are contiguous."""
-    roots = [s for s, p in enumerate(segments.host_parent) if p < 0]
-    starts = [segments.host_start[s] for s in roots]
-    ends = starts[1:] + [segments.num_tokens]
-    return list(zip(starts, ends))
-
-
 def _ancestor_matrix(segments: SegmentTable, device: torch.device) -> Tensor:
     """anc[s, a] is True when a is a strict ancestor of s."""
     n = segments.num_segments
@@ -80,7 +72,7 @@ def reference_attention(
 
     # (query positions in q, their packed rows, key range): queries only see keys of their tree
     blocks = []
-    trees = _tree_ranges(segments)
+    trees = segments.tree_ranges()
     if q_rows is None:
         for lo, hi in trees:
             for a in range(lo, hi, query_chunk):

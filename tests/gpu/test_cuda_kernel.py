@@ -34,23 +34,7 @@ SLACK = 1.02
 
 def make_segments(groups, pad=0, device="cuda"):
     """groups: list of (P, [R_1, ..., R_N]); pad: a trailing padding root segment."""
-    start, length, parent = [], [], []
-    pos = 0
-    for p, rs in groups:
-        root = len(start)
-        start.append(pos); length.append(p); parent.append(-1); pos += p
-        for r in rs:
-            start.append(pos); length.append(r); parent.append(root); pos += r
-    if pad:
-        start.append(pos); length.append(pad); parent.append(-1); pos += pad
-    return SegmentTable.from_host(start, length, parent, device=device)
-
-
-def tree_ranges(seg):
-    roots = [s for s, p in enumerate(seg.host_parent) if p < 0]
-    st = [seg.host_start[s] for s in roots]
-    return list(zip(st, st[1:] + [seg.num_tokens]))
-
+    return SegmentTable.from_group_lengths(groups, pad, device)
 
 def dense_mask(seg, lo, hi, device):
     """bool [L, L] for tokens [lo, hi) (one tree): the DualKV rule written out directly."""
@@ -77,7 +61,7 @@ def exact(q, k, v, dout, seg, scale):
     out = torch.zeros_like(q64)
     lse = torch.zeros(hq, t, dtype=torch.float64, device=q.device)
     dq, dk, dv = torch.zeros_like(q64), torch.zeros_like(k64), torch.zeros_like(v64)
-    for lo, hi in tree_ranges(seg):
+    for lo, hi in seg.tree_ranges():
         mask = dense_mask(seg, lo, hi, q.device)
         for h in range(hq):
             hk = h // rep

@@ -30,17 +30,7 @@ SLACK = 1.05  # allowed ratio to the replicated SDPA error (one random draw's no
 
 def make_segments(groups, pad=0, device="cuda"):
     """groups: [(P, [R_1, ..., R_N]), ...]; pad: a trailing padding root segment."""
-    start, length, parent = [], [], []
-    pos = 0
-    for p, rs in groups:
-        root = len(start)
-        start.append(pos); length.append(p); parent.append(-1); pos += p
-        for r in rs:
-            start.append(pos); length.append(r); parent.append(root); pos += r
-    if pad:
-        start.append(pos); length.append(pad); parent.append(-1); pos += pad
-    return SegmentTable.from_host(start, length, parent, device=device)
-
+    return SegmentTable.from_group_lengths(groups, pad, device)
 
 def random_groups(rng, num_groups, max_p=1200, max_r=300, max_n=6):
     groups = []
