@@ -403,6 +403,20 @@ def free_port() -> int:
     return _free_port()
 
 
+@contextlib.contextmanager
+def gloo_world_of_one() -> Iterator[None]:
+    """A world-size-1 gloo default group for the block, unless one exists already (a GlooWorkers
+    worker's, or an enclosing fixture's), which is then left as it is."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 def _worker_main(rank: int, conn) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl.logging).*")

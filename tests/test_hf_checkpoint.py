@@ -19,9 +19,8 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_cpu import GlooWorkers, cuda_runtime_as_cpu, free_port, model_parallel
+from megatron_cpu import GlooWorkers, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
 
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -135,15 +134,8 @@ def own_moe_metrics_tracker():
 
 @pytest.fixture(scope="module")
 def pgs():
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with cuda_runtime_as_cpu(), model_parallel(tp=1) as collection:
-            yield collection
-    finally:
-        if own:
-            dist.destroy_process_group()
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), model_parallel(tp=1) as collection:
+        yield collection
 
 
 def import_model(hf_dir: str, pgs, **overrides):

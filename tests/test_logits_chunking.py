@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_cpu import GlooWorkers, cuda_rng_state_on_cpu, cuda_runtime_as_cpu, free_port, model_parallel
+from megatron_cpu import GlooWorkers, cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
 
 VOCAB = 256
 CHUNKS = (1, 7, 10_000)  # 10,000 > edges: one chunk, still recomputed in backward
@@ -168,15 +167,8 @@ def test_chunked_equals_one_pass_under_context_parallelism(workers):
 
 @pytest.fixture(scope="module")
 def pgs():
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
-            yield collection
-    finally:
-        if own:
-            dist.destroy_process_group()
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
+        yield collection
 
 
 def _model(pgs, vocab=VOCAB, **kw):

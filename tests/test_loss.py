@@ -568,60 +568,52 @@ def test_grpo_loss_and_every_parameter_gradient_through_megatron_match_replicate
     """DualKV model -> edge logprobs -> policy_loss, against the stock GPTModel on NeMo-RL style
     [B, S] rows -> log_softmax(logits[:, :-1]) gathered at input_ids[:, 1:] -> the replicated
     reference loss above. Same weights; float64; DAPO clips, dual clip, k3 KL, masks."""
-    import torch.distributed as dist
-    from megatron_cpu import cuda_runtime_as_cpu, free_port, model_parallel
+    from megatron_cpu import cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
     from megatron_dualkv.megatron import build_dualkv_model, build_replicated_model, copy_weights, qwen3_config
 
     vocab = 128
     groups = make_groups(13, [(5, [3, 1, 4]), (2, [6, 2]), (4, [2])])
     groups = [(p, [[t % vocab for t in r] for r in rs]) for p, rs in groups]
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with cuda_runtime_as_cpu(), model_parallel(tp=1) as pgs:
-            # MoE: no aux loss here (its equality is tests/test_megatron_model.py's); this isolates
-            # the policy loss's gradient through routing and experts
-            extra = dict(moe_aux_loss_coeff=0.0) if "moe" in size else {}
-            cfg = qwen3_config(size, use_cpu_initialization=True, params_dtype=F64, vocab_size=vocab, **extra)
-            torch.manual_seed(7)
-            model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False).double()
-            base = build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False).double()
-            copy_weights(model, base)
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), model_parallel(tp=1) as pgs:
+        # MoE: no aux loss here (its equality is tests/test_megatron_model.py's); this isolates
+        # the policy loss's gradient through routing and experts
+        extra = dict(moe_aux_loss_coeff=0.0) if "moe" in size else {}
+        cfg = qwen3_config(size, use_cpu_initialization=True, params_dtype=F64, vocab_size=vocab, **extra)
+        torch.manual_seed(7)
+        model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False).double()
+        base = build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False).double()
+        copy_weights(model, base)
 
-            layout = build_layout(groups, vocab_size=vocab, pad_to_multiple=8)
-            lp = model(layout=layout).logprobs
-            d = make_rollout(groups, seed=14)
-            g = torch.Generator().manual_seed(19)
-            for k in ("old", "ref", "gen"):  # ratios around 1, wide enough for every clip to bind
-                d[k] = lp.detach() + 0.8 * torch.randn(layout.num_edges, generator=g, dtype=F64)
-            loss_cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=2.0, kl_beta=0.1,
-                                        importance_correction=True)
-            loss, m = policy_loss(lp, to_batch(d), layout, loss_cfg)
-            assert m["clip_high_count"] > 0 and m["clip_low_count"] > 0 and m["dual_clip_count"] > 0
-            loss.backward()
+        layout = build_layout(groups, vocab_size=vocab, pad_to_multiple=8)
+        lp = model(layout=layout).logprobs
+        d = make_rollout(groups, seed=14)
+        g = torch.Generator().manual_seed(19)
+        for k in ("old", "ref", "gen"):  # ratios around 1, wide enough for every clip to bind
+            d[k] = lp.detach() + 0.8 * torch.randn(layout.num_edges, generator=g, dtype=F64)
+        loss_cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=2.0, kl_beta=0.1,
+                                    importance_correction=True)
+        loss, m = policy_loss(lp, to_batch(d), layout, loss_cfg)
+        assert m["clip_high_count"] > 0 and m["clip_low_count"] > 0 and m["dual_clip_count"] > 0
+        loss.backward()
 
-            # replicated: right-padded [prompt | response] rows through the stock model
-            rows = [p + r for p, rs in groups for r in rs]
-            B, S = len(rows), max(map(len, rows))
-            ids = torch.zeros(B, S, dtype=torch.long)
-            pad = torch.ones(B, S, dtype=torch.bool)
-            for b, row in enumerate(rows):
-                ids[b, :len(row)] = torch.tensor(row)
-                pad[b, :len(row)] = False
-            causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None]
-            logits = base(ids, torch.arange(S).expand(B, S), causal, padding_mask=pad)  # [B, S, V]
-            curr = torch.zeros(B, S, dtype=F64)
-            curr[:, 1:] = torch.log_softmax(logits[:, :-1].double(), -1).gather(2, ids[:, 1:, None]).squeeze(2)
-            rep = to_replicated(groups, d, lp.detach())
-            rep["curr"] = curr
-            ref_loss, _ = replicated_loss(
-                rep, dict(eps_low=0.2, eps_high=0.28, c=2.0, beta=0.1, **{"is": True}),
-                (rep["token_mask"][:, 1:] * rep["sample_mask"][:, None]).sum(), rep["sample_mask"].sum())
-            ref_loss.backward()
-    finally:
-        if own:
-            dist.destroy_process_group()
+        # replicated: right-padded [prompt | response] rows through the stock model
+        rows = [p + r for p, rs in groups for r in rs]
+        B, S = len(rows), max(map(len, rows))
+        ids = torch.zeros(B, S, dtype=torch.long)
+        pad = torch.ones(B, S, dtype=torch.bool)
+        for b, row in enumerate(rows):
+            ids[b, :len(row)] = torch.tensor(row)
+            pad[b, :len(row)] = False
+        causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None]
+        logits = base(ids, torch.arange(S).expand(B, S), causal, padding_mask=pad)  # [B, S, V]
+        curr = torch.zeros(B, S, dtype=F64)
+        curr[:, 1:] = torch.log_softmax(logits[:, :-1].double(), -1).gather(2, ids[:, 1:, None]).squeeze(2)
+        rep = to_replicated(groups, d, lp.detach())
+        rep["curr"] = curr
+        ref_loss, _ = replicated_loss(
+            rep, dict(eps_low=0.2, eps_high=0.28, c=2.0, beta=0.1, **{"is": True}),
+            (rep["token_mask"][:, 1:] * rep["sample_mask"][:, None]).sum(), rep["sample_mask"].sum())
+        ref_loss.backward()
 
     torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=0)
     # Megatron's top-k router takes its softmax in float32 even in a float64 model: MoE gradients

@@ -14,9 +14,8 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, free_port, model_parallel
+from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
 
 from megatron_dualkv import Group, SegmentTable, build_layout
 from megatron_dualkv.megatron import (
@@ -37,15 +36,8 @@ FP32 = dict(rtol=2e-5, atol=2e-6)
 @pytest.fixture(scope="module")
 def pgs():
     """World-size-1 gloo group + Megatron model parallelism (TP=EP=1), shims restored afterwards."""
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
-            yield collection
-    finally:
-        if own:
-            dist.destroy_process_group()
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
+        yield collection
 
 
 def _groups(seed: int = 0) -> list[Group]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_cpu import CudaPlacementOnCpu, cuda_runtime_as_cpu, free_port, model_parallel
+from megatron_cpu import CudaPlacementOnCpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
 from test_loss import replicated_loss
 
 from megatron_dualkv.integrations.nemo_rl import (
@@ -279,26 +279,19 @@ def test_loss_options_map_and_unsupported_ones_are_refused():
 @pytest.fixture(scope="module")
 def models():
     """(stock GPTModel, its converted copy), tiny Qwen3 in float64, on a world-size-1 gloo group."""
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        # CudaPlacementOnCpu: Megatron's schedule allocates its token counter with device="cuda"
-        with cuda_runtime_as_cpu(), CudaPlacementOnCpu(), model_parallel(tp=1) as pgs:
-            cfg = qwen3_config("tiny", use_cpu_initialization=True, params_dtype=F64, vocab_size=VOCAB)
-            torch.manual_seed(11)
-            base, dualkv = (build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False).double()
-                            for _ in range(2))
-            with torch.no_grad():  # norms away from 1 so their gradient paths matter
-                for name, p in base.named_parameters():
-                    if "layernorm" in name:
-                        p.add_(0.1 * torch.randn_like(p))
-            copy_weights(base, dualkv)
-            assert to_dualkv_model(dualkv) is dualkv
-            yield base, dualkv
-    finally:
-        if own:
-            dist.destroy_process_group()
+    # CudaPlacementOnCpu: Megatron's schedule allocates its token counter with device="cuda"
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), CudaPlacementOnCpu(), model_parallel(tp=1) as pgs:
+        cfg = qwen3_config("tiny", use_cpu_initialization=True, params_dtype=F64, vocab_size=VOCAB)
+        torch.manual_seed(11)
+        base, dualkv = (build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False).double()
+                        for _ in range(2))
+        with torch.no_grad():  # norms away from 1 so their gradient paths matter
+            for name, p in base.named_parameters():
+                if "layernorm" in name:
+                    p.add_(0.1 * torch.randn_like(p))
+        copy_weights(base, dualkv)
+        assert to_dualkv_model(dualkv) is dualkv
+        yield base, dualkv
 
 
 def stock_logprobs(base, data) -> torch.Tensor:

@@ -36,18 +36,13 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def megatron_cpu():
-    import torch.distributed as dist
-    from megatron_cpu import cuda_rng_state_on_cpu, free_port, megatron_cpu_shims, model_parallel
+    from megatron_cpu import cuda_rng_state_on_cpu, gloo_world_of_one, megatron_cpu_shims, model_parallel
 
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(gloo_world_of_one())
         stack.enter_context(megatron_cpu_shims())
         stack.enter_context(cuda_rng_state_on_cpu())
         yield stack.enter_context(model_parallel())
-    if own:
-        dist.destroy_process_group()
 
 
 def tiny_model(size: str, pgs, vocab: int = VOCAB, dualkv: bool = True, **overrides):

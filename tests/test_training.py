@@ -41,15 +41,10 @@ LOSS = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_beta=0.1
 
 @pytest.fixture(scope="module")
 def gloo():
-    import torch.distributed as dist
-    from megatron_cpu import free_port
+    from megatron_cpu import gloo_world_of_one
 
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if own:
-        dist.destroy_process_group()
+    with gloo_world_of_one():
+        yield
 
 
 def runtime(tp: int = 1):

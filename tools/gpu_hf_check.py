@@ -124,17 +124,10 @@ def megatron_world(device: torch.device):
         return
     # CPU (--tiny): Megatron needs the CUDA shims that live with the tests
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from megatron_cpu import cuda_runtime_as_cpu, free_port, model_parallel
+    from megatron_cpu import cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
 
-    own = not dist.is_initialized()  # a test worker may have a gloo world of one already
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with cuda_runtime_as_cpu(), model_parallel(tp=1) as pgs:
-            yield pgs
-    finally:
-        if own:
-            dist.destroy_process_group()
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), model_parallel(tp=1) as pgs:
+        yield pgs
 
 
 class RouterLog:
