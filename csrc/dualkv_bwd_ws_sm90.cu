@@ -1,9 +1,14 @@
 // DualKV backward dK/dV (+ dQ by fp32 atomics) for Hopper (sm_90a), warp-specialized ("ws"):
 // opt-in, bwd_impl="ws", fast mode only (deterministic=True keeps the sm90 kernels).
 //
-// Same work items, math and accumulation as dkdv_kernel<..., kAtomicDQ = true> in
-// dualkv_bwd_sm90.cu (one CTA per 128-row key tile and kv head, walking every query head of the
-// GQA group and every 64-row query tile that attends the keys), restructured like the ws forward:
+// Same math and accumulation as dkdv_kernel<..., kAtomicDQ = true> in dualkv_bwd_sm90.cu (one
+// CTA per 128-row key tile and kv head, walking every query head of the GQA group and every
+// 64-row query tile that attends the keys), restructured like the ws forward.
+// Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, 0, 0, 0]; the query
+// rows that attend keys k0..k1 are the ranges rlo..rhi of a.ranges, 4 int32 each:
+// (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
+// (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
+// ranges are the key tile's own segment (masked by qrow >= krow), the others its children.
 //   warpgroup 0, producer (setmaxnreg 24): one warp. Lane 0 loads K and V once and, per step,
 //     the Q and dO tiles with TMA into a 3-stage ring; the 32 lanes load the step's 64 lse and
 //     delta values with plain loads into shared memory and arrive on the stage's mbarrier
@@ -101,41 +106,25 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int item = blockIdx.x / a.hkv;
   const int hk = blockIdx.x % a.hkv;
   const int* w = a.work + item * 8;
-  const int k0 = w[0], k1 = w[1], seg_end = w[2], rlo = w[3], rhi = w[4], per_head = w[5];
-  const int n_own = (seg_end - k0 + kQTB - 1) / kQTB;
+  const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = w[4];
   const int n_iter = per_head * group;
 
-  // query tile i of a head: the key tile's own causal rows first, then the merged child ranges
-  const int r0a = rhi > rlo ? a.ranges[2 * rlo] : 0, r0b = rhi > rlo ? a.ranges[2 * rlo + 1] : 0;
-  const int r0n = (r0b - r0a + kQTB - 1) / kQTB;
-  auto query_tile = [&](int i, int& q0, int& qend, bool& causal) {
-    if (i < n_own) {
-      q0 = k0 + i * kQTB;
-      qend = seg_end;
-      causal = true;
-      return;
-    }
-    i -= n_own;
-    if (i < r0n) {
-      q0 = r0a + i * kQTB;
-      qend = r0b;
-      causal = false;
-      return;
-    }
-    i -= r0n;
-    for (int r = rlo + 1; r < rhi; ++r) {
-      const int ra = a.ranges[2 * r], rb = a.ranges[2 * r + 1];
-      const int n = (rb - ra + kQTB - 1) / kQTB;
+  // query tile i of a head: packed rows q0..qend (64 at most used), held from local row ql
+  const int4* ranges = reinterpret_cast<const int4*>(a.ranges);
+  auto query_tile = [&](int i, int& q0, int& qend, int& ql, bool& causal) {
+    for (int r = rlo; r < rhi; ++r) {
+      const int4 g = __ldg(ranges + r);
+      const int n = (g.y - g.x + kQTB - 1) / kQTB;
       if (i < n) {
-        q0 = ra + i * kQTB;
-        qend = rb;
-        causal = false;
+        q0 = g.x + i * kQTB;
+        qend = g.y;
+        ql = g.z + i * kQTB;
+        causal = g.w != 0;
         return;
       }
       i -= n;
     }
-    q0 = 0;
-    qend = 0;
+    q0 = qend = ql = 0;
     causal = false;
   };
 
@@ -173,23 +162,22 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int st = stage(i);
         if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
         const int h = hk * group + i / per_head;
-        int q0, qend;
+        int q0, qend, ql;
         bool causal;
-        query_tile(i % per_head, q0, qend, causal);
+        query_tile(i % per_head, q0, qend, ql, causal);
         if (lane == 0) {
           mbar_expect_tx(q_full(st), 2 * kQTB * D * sizeof(T));
 #pragma unroll
           for (int p = 0; p < D / 64; ++p) {
-            tma_load(smem_addr(sQ + st * kQTB * D + p * kQTB * 64), &tm_q, q_full(st), p * 64, h, q0);
-            tma_load(smem_addr(sdO + st * kQTB * D + p * kQTB * 64), &tm_do, q_full(st), p * 64, h, q0);
+            tma_load(smem_addr(sQ + st * kQTB * D + p * kQTB * 64), &tm_q, q_full(st), p * 64, h, ql);
+            tma_load(smem_addr(sdO + st * kQTB * D + p * kQTB * 64), &tm_do, q_full(st), p * 64, h, ql);
           }
         }
         __syncwarp();
 #pragma unroll
         for (int r = lane; r < kQTB; r += 32) {
-          const int row = q0 + r;
-          const bool ok = row < qend;
-          const long idx = (long)h * a.T + (ok ? row : 0);
+          const bool ok = q0 + r < qend;
+          const long idx = (long)h * a.Tq + (ok ? ql + r : 0);
           sL[st * kQTB + r] = ok ? a.lse[idx] : 0.f;
           sDl[st * kQTB + r] = ok ? a.delta[idx] : 0.f;
         }
@@ -213,9 +201,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   mbar_wait(kv_full, 0);
   for (int it = 0; it < n_iter; ++it) {
     const int st = stage(it);
-    int q0, qend;
+    int q0, qend, ql;
     bool causal;
-    query_tile(it % per_head, q0, qend, causal);
+    query_tile(it % per_head, q0, qend, ql, causal);
     const int h = hk * group + it / per_head;
     const T* cQ = sQ + st * kQTB * D;
     const T* cdO = sdO + st * kQTB * D;
@@ -328,9 +316,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int row = q0 + warp * 16 + (lane >> 2) + hh * 8;
-      if (row < qend) {
-        float* rp = acc + (long)row * a.hq * D + (lane & 3) * 2;
+      const int r = warp * 16 + (lane >> 2) + hh * 8;
+      if (q0 + r < qend) {
+        float* rp = acc + (long)(ql + r) * a.hq * D + (lane & 3) * 2;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
           atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
@@ -365,11 +353,11 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
   auto k = dkdv_ws_kernel<T, D>;
   e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
-  if (ka.num_items == 0 || ka.T == 0) return cudaSuccess;
+  if (ka.num_items == 0 || ka.T == 0 || ka.Tq == 0) return cudaSuccess;
   CUtensorMap mk, mv, mq, mdo;
   const int es = (int)sizeof(T);
   if (!make_map(&mk, ka.k, dt, D, ka.hkv, ka.T, kKVB, es) || !make_map(&mv, ka.v, dt, D, ka.hkv, ka.T, kKVB, es) ||
-      !make_map(&mq, ka.q, dt, D, ka.hq, ka.T, kQTB, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.T, kQTB, es))
+      !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, kQTB, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, kQTB, es))
     return cudaErrorInvalidResourceHandle;
   k<<<(unsigned)ka.num_items * ka.hkv, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, ka);
   return cudaGetLastError();

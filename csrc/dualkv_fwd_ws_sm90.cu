@@ -1,7 +1,9 @@
 // DualKV forward for Hopper (sm_90a), warp-specialized ("ws"): opt-in, fwd_impl="ws".
 //
 // One CTA = 3 warpgroups for one 128-row query tile of one query head (same row items and
-// contract as dualkv_fwd_sm90.cu):
+// contract as dualkv_fwd_sm90.cu, plus local queries: item field 6 is the row of q0 in q / out /
+// lse, which hold a.Tq rows; masks use the packed rows q0.., so a context-parallel rank's queries
+// attend the gathered K/V exactly as in the whole micro-batch):
 //   warpgroup 0, producer: one thread issues TMA loads (cp.async.bulk.tensor, 128-byte swizzle)
 //     of Q once and of every K/V tile (128 rows) into a 3-stage ring; registers cut to 40
 //     (setmaxnreg) so the consumers can have 232.
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   const int h = blockIdx.x % a.hq;
   const int hk = h / (a.hq / a.hkv);
   const int* w = a.work + item * 8;
-  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4];
+  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4], qloc = w[6];
   const int n_par = (par1 - par0 + kBK - 1) / kBK;
   const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // >= 1: q0 >= self0, q1 > q0
   auto kv_start = [&](int t) { return t < n_par ? par0 + t * kBK : self0 + (t - n_par) * kBK; };
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
       mbar_expect_tx(q_full, kBQ * D * sizeof(T));
 #pragma unroll
-      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, q0);
+      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, qloc);
       for (int t = 0; t < n_total; ++t) {
         const int st = stage(t), k0 = kv_start(t);
         // stage st last held key tile t - kStages: wait until both consumers released it
@@ -335,13 +337,14 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     const int row = row_a + r * 8;
     if (row < q1) {
+      const long lrow = qloc + (row - q0);  // the row's place in out / lse
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         const uint32_t v = pack2<T>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        *reinterpret_cast<uint32_t*>(og + (long)row * qs + j * 8 + (lane & 3) * 2) = v;
+        *reinterpret_cast<uint32_t*>(og + lrow * qs + j * 8 + (lane & 3) * 2) = v;
       }
       if ((lane & 3) == 0)
-        a.lse[(long)h * a.T + row] = lsum > 0.f ? (m[r] + log2f(lsum)) * 0.69314718055994531f : -INFINITY;
+        a.lse[(long)h * a.Tq + lrow] = lsum > 0.f ? (m[r] + log2f(lsum)) * 0.69314718055994531f : -INFINITY;
     }
   }
 }
@@ -358,10 +361,10 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream
   auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false> : fwd_ws_kernel<T, D, true>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
-  if (a.num_items == 0 || a.T == 0) return cudaSuccess;
+  if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
   CUtensorMap mq, mk, mv;
   const int es = (int)sizeof(T);
-  if (!make_map(&mq, a.q, dt, D, a.hq, a.T, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
+  if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
       !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
   k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a);

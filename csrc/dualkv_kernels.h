@@ -11,11 +11,12 @@ struct FwdArgs {
   const void* q;
   const void* k;
   const void* v;
-  void* out;      // [T, Hq, D]
-  float* lse;     // [Hq, T], natural log
+  void* out;      // [Tq, Hq, D]
+  float* lse;     // [Hq, Tq], natural log
   const int* work;  // row items, 8 int32 each
   int num_items;
   int T, hq, hkv;
+  int Tq;  // rows of q / out / lse: T, or fewer for local queries (ws forward only: item field 6)
   float scale, scale_log2;
 };
 
@@ -51,10 +52,11 @@ struct DkvArgs {
   void* dk;
   void* dv;
   const int* work;    // kv items, 8 int32 each
-  const int* ranges;  // 2 int32 per range
-  float* dq_acc;      // fast mode (sm90): fp32 [T, Hq, D] dQ accumulator (unscaled), atomics; else null
+  const int* ranges;  // 2 int32 per range (ws: 4, see dualkv_bwd_ws_sm90.cu)
+  float* dq_acc;      // fast mode (sm90): fp32 [Tq, Hq, D] dQ accumulator (unscaled), atomics; else null
   int num_items;
   int T, hq, hkv;
+  int Tq;  // rows of q / dout / lse / delta / dq_acc: T, or fewer for local queries (ws only)
   float scale, scale_log2;
 };
 

@@ -64,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
   a.work = row_work.data_ptr<int>();
   a.num_items = row_work.size(0);
   a.T = T;
+  a.Tq = T;
   a.hq = hq;
   a.hkv = hkv;
   a.scale = static_cast<float>(scale);
@@ -170,6 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout_i
   ka.dq_acc = dq_acc.defined() ? dq_acc.data_ptr<float>() : nullptr;
   ka.num_items = kv_work.size(0);
   ka.T = T;
+  ka.Tq = T;
   ka.hq = hq;
   ka.hkv = hkv;
   ka.scale = sc;

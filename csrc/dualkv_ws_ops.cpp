@@ -2,13 +2,15 @@
 // csrc/dualkv_bwd_ws_sm90.cu), added to the `megatron_dualkv` library defined in
 // csrc/dualkv_ops.cpp:
 //
-//   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale) -> (out [T,Hq,D], lse [Hq,T] fp32)
+//   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale) -> (out [Tq,Hq,D], lse [Hq,Tq] fp32)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
 //                                deterministic) -> (dq, dk, dv)      (fast mode only)
 //
-// Same contracts and work items (128-row tiles) as fwd_sm90 / bwd_sm90. Opt-in from Python with
-// fwd_impl="ws" / bwd_impl="ws" or MEGATRON_DUALKV_CUDA_FWD=ws / MEGATRON_DUALKV_CUDA_BWD=ws
-// (megatron_dualkv/ops/cuda_backend.py, which also registers the fake implementations).
+// q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
+// local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
+// tiles) carry the local row of their first query in field 6; the backward's kv items and
+// ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work. The work lists come
+// from megatron_dualkv/ops/cuda_backend.py, which also registers the fake implementations.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -31,8 +33,9 @@ void check_ws_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               "megatron_dualkv: q, k, v must share one dtype");
   const int64_t d = q.size(2);
   TORCH_CHECK(d == 64 || d == 128, "megatron_dualkv: head dim must be 64 or 128, got ", d);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d && k.size(0) == q.size(0),
-              "megatron_dualkv: k and v must be [T, Hkv, ", d, "] with q's T");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d, "megatron_dualkv: k and v must be [T, Hkv, ", d, "]");
+  TORCH_CHECK(q.size(0) > 0 && q.size(0) <= k.size(0), "megatron_dualkv: q holds ", q.size(0),
+              " rows; it must hold 1 to T = ", k.size(0), " (all or a context-parallel rank's queries)");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "megatron_dualkv: query heads must be a multiple of kv heads");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
               "megatron_dualkv: q, k, v must be contiguous [T, H, D]");
@@ -54,9 +57,9 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
                   row_work.is_contiguous() && row_work.dim() == 2 && row_work.size(1) == 8,
               "megatron_dualkv: row_work must be a contiguous int32 [items, 8] tensor on q's device");
   c10::cuda::CUDAGuard guard(q.device());
-  const int T = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  const int T = k.size(0), Tq = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   auto out = at::empty_like(q);
-  auto lse = at::empty({hq, T}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({hq, Tq}, q.options().dtype(at::kFloat));
   mdkv::FwdArgs a;
   a.q = q.data_ptr();
   a.k = k.data_ptr();
@@ -66,6 +69,7 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   a.work = row_work.data_ptr<int>();
   a.num_items = row_work.size(0);
   a.T = T;
+  a.Tq = Tq;
   a.hq = hq;
   a.hkv = hkv;
   a.scale = static_cast<float>(scale);
@@ -86,7 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(
   check_ws_inputs(q, k, v);
   check_work_ws(kv_work, q, "kv_work");
   check_work_ws(kv_ranges, q, "kv_ranges");
-  TORCH_CHECK(kv_work.size(1) == 8 && kv_ranges.size(1) == 2, "megatron_dualkv: kv_work must be [items, 8], kv_ranges [n, 2]");
+  TORCH_CHECK(kv_work.size(1) == 8 && kv_ranges.size(1) == 4,
+              "megatron_dualkv: kv_work must be [items, 8], kv_ranges [n, 4] (cuda_backend.ws_kv_work)");
   (void)row_work;  // the ws backward walks key tiles only; the argument keeps bwd_sm90's signature
   auto dout = dout_in.contiguous();
   TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(),
@@ -94,27 +99,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(
   TORCH_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0,
               "megatron_dualkv: the ws backward reads dout with TMA, which needs a 16-byte aligned data pointer");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "megatron_dualkv: out must be contiguous like q");
-  const int T = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  const int T = k.size(0), Tq = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == hq &&
-                  lse.size(1) == T,
-              "megatron_dualkv: lse must be contiguous float32 [Hq, T]");
+                  lse.size(1) == Tq,
+              "megatron_dualkv: lse must be contiguous float32 [Hq, Tq]");
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined()) {
     dlse = dlse_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(dlse.sizes() == lse.sizes(), "megatron_dualkv: grad of lse must be [Hq, T]");
+    TORCH_CHECK(dlse.sizes() == lse.sizes(), "megatron_dualkv: grad of lse must be [Hq, Tq]");
   }
   c10::cuda::CUDAGuard guard(q.device());
   auto dq = at::empty_like(q);
   auto dk = at::empty_like(k);
   auto dv = at::empty_like(v);
-  auto delta = at::empty({hq, T}, q.options().dtype(at::kFloat));
-  auto dq_acc = at::zeros({T, hq, d}, q.options().dtype(at::kFloat));
+  auto delta = at::empty({hq, Tq}, q.options().dtype(at::kFloat));
+  auto dq_acc = at::zeros({Tq, hq, d}, q.options().dtype(at::kFloat));
   mdkv::DeltaArgs da;
   da.out = out.data_ptr();
   da.dout = dout.data_ptr();
   da.dlse = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
   da.delta = delta.data_ptr<float>();
-  da.T = T;
+  da.T = Tq;  // delta is per query row
   da.hq = hq;
   mdkv::DkvArgs ka;
   ka.q = q.data_ptr();
@@ -130,6 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(
   ka.dq_acc = dq_acc.data_ptr<float>();
   ka.num_items = kv_work.size(0);
   ka.T = T;
+  ka.Tq = Tq;
   ka.hq = hq;
   ka.hkv = hkv;
   ka.scale = static_cast<float>(scale);

@@ -3,12 +3,15 @@
     python csrc/ws_bwd_tile_model.py        (a few seconds; exit 0: the kernel's masking is exact)
 
 It replays dkdv_ws_kernel's work, tile by tile, with the kernel's data movement: the same kv items
-(128-row key tiles) and 64-row query tiles, K/V and Q/dO read as whole TMA boxes (rows past T
+and query ranges (cuda_backend.ws_kv_work: 128-row key tiles, 64-row query tiles), K/V and Q/dO read as whole TMA boxes (rows past T
 zero, rows of a neighbouring segment NOT zero), lse/delta zero past qend, the kernel's P^T mask,
 dV/dK stored for rows < k1 only, dQ += dS K over all 128 key rows for rows < qend. It compares
 dq, dk, dv with the exact attention gradients of the same layouts, with the key-row mask of the
 kernel (krow >= k1) and, to show what it guards against, without it: the first GPU run of the ws
 backward (dq wrong, dk/dv exact, the error shrinking with T) is what the model gives without it.
+Each layout is also replayed with local queries (a context-parallel rank's chunks of the rows:
+q, dO, lse, delta and dq hold only those, read at the ranges' local rows), against the exact
+gradients of the held queries' outputs.
 """
 import math
 import os
@@ -18,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from megatron_dualkv.layout import SegmentTable  # noqa: E402
-from megatron_dualkv.ops.cuda_backend import build_work  # noqa: E402
+from megatron_dualkv.ops.cuda_backend import query_chunks, ws_kv_work  # noqa: E402
 
 KV, QT = 128, 64  # key rows per CTA, query rows per step (kKVB, kQTB)
 
@@ -58,36 +61,35 @@ def box(x, r0, rows):
 
 
 def query_tiles(item, ranges):
-    k0, k1, seg_end, rlo, rhi = item[:5]
-    tiles = [(q0, seg_end, True) for q0 in range(k0, seg_end, QT)]
-    for r in range(rlo, rhi):
-        a, b = ranges[r]
-        tiles += [(q0, b, False) for q0 in range(a, b, QT)]
-    return tiles
+    """(q0, qend, local row of q0, causal) of each 64-row query step of a kv item."""
+    _, _, rlo, rhi = item[:4]
+    return [(q0, b, loc + q0 - a, bool(causal)) for a, b, loc, causal in ranges[rlo:rhi] for q0 in range(a, b, QT)]
 
 
-def replay(q, k, v, do, lse, delta, seg, scale, key_mask):
-    """dq, dk, dv as dkdv_ws_kernel computes them (key_mask: its P^T mask includes krow >= k1)."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
+def replay(q, k, v, do, lse, delta, seg, scale, key_mask, chunks=None):
+    """dq, dk, dv as dkdv_ws_kernel computes them (key_mask: its P^T mask includes krow >= k1).
+    chunks: q, do, lse, delta hold only these query rows (local queries); dq is returned local."""
+    tq, hq, d = q.shape
+    t, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
-    _, kv_work, ranges = build_work(seg, row_tile=128, kv_tile=128)
+    kv_work, ranges = ws_kv_work(seg, chunks)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for item in kv_work:
         k0, k1 = item[0], item[1]
-        assert len(query_tiles(item, ranges)) == item[5], "tile count differs from the work list's per_head"
+        assert len(query_tiles(item, ranges)) == item[4], "tile count differs from the work list's per_head"
         kb, vb = box(k, k0, KV), box(v, k0, KV)  # [128, hkv, d]
         krow = k0 + torch.arange(KV)
         for hk in range(hkv):
             dk_acc = torch.zeros(KV, d, dtype=q.dtype)
             dv_acc = torch.zeros(KV, d, dtype=q.dtype)
             for h in range(hk * group, (hk + 1) * group):
-                for q0, qend, causal in query_tiles(item, ranges):
+                for q0, qend, ql, causal in query_tiles(item, ranges):
                     qrow = q0 + torch.arange(QT)
+                    lrow = (ql + torch.arange(QT)).clamp(max=tq - 1)
                     ok = qrow < qend
-                    qb, dob = box(q, q0, QT)[:, h], box(do, q0, QT)[:, h]
-                    lb = torch.where(ok, lse[h, qrow.clamp(max=t - 1)], torch.zeros(()))
-                    db = torch.where(ok, delta[h, qrow.clamp(max=t - 1)], torch.zeros(()))
+                    qb, dob = box(q, ql, QT)[:, h], box(do, ql, QT)[:, h]
+                    lb = torch.where(ok, lse[h, lrow], torch.zeros(()))
+                    db = torch.where(ok, delta[h, lrow], torch.zeros(()))
                     st = kb[:, hk] @ qb.T  # S^T [keys, queries]
                     dpt = vb[:, hk] @ dob.T
                     pt = torch.exp(st * scale - lb[None, :])
@@ -100,7 +102,7 @@ def replay(q, k, v, do, lse, delta, seg, scale, key_mask):
                     dk_acc += dst @ qb
                     dq_tile = dst.T @ kb[:, hk]  # dQ = dS K over all 128 key rows of the box
                     n = int(ok.sum())
-                    dq[q0:q0 + n, h] += dq_tile[:n]
+                    dq[ql:ql + n, h] += dq_tile[:n]
             dk[k0:k1, hk] = scale * dk_acc[:k1 - k0]
             dv[k0:k1, hk] = dv_acc[:k1 - k0]
     return scale * dq, dk, dv
@@ -136,6 +138,19 @@ def main():
             print(f"T={t} hq={hq} hkv={hkv} d={d} key-row mask {'on ' if key_mask else 'off'}: "
                   f"rel(dq, dk, dv) vs exact {e[0]:.2e} {e[1]:.2e} {e[2]:.2e} {'exact' if good else 'WRONG'}",
                   flush=True)
+        # local queries: every third run of 100 rows, as a CP rank might hold them (odd boundaries)
+        held = torch.zeros(t, dtype=torch.bool)
+        for a in range(7, t, 300):
+            held[a:a + 100] = True
+        rows = torch.nonzero(held).flatten()
+        l_lse, l_delta, l_dq, l_dk, l_dv = exact(q, k, v, do * held[:, None, None], seg, scale)
+        dq, dk, dv = replay(q[rows], k, v, do[rows], lse[:, rows], l_delta[:, rows], seg, scale, True,
+                            query_chunks(rows, t))
+        e = [rel(dq, l_dq[rows]), rel(dk, l_dk), rel(dv, l_dv)]
+        good = max(e) < 1e-10
+        bad += not good
+        print(f"T={t} local queries ({rows.numel()} of {t} rows): rel(dq, dk, dv) vs exact "
+              f"{e[0]:.2e} {e[1]:.2e} {e[2]:.2e} {'exact' if good else 'WRONG'}", flush=True)
     return 1 if bad else 0
 
 

@@ -234,11 +234,24 @@ def test_ulysses_refuses_heads_that_do_not_split():
     assert "multiples of 2" in ulysses_problem(2, 1, 2)
 
 
-def test_cuda_backend_is_skipped_for_local_queries_with_reason():
+def test_cuda_backend_local_queries_need_the_ws_kernels(monkeypatch):
+    """The CUDA backend takes local queries on its ws kernels only: with another kernel forced by
+    the environment (or an extension without ws ops) the entry point skips it with that reason."""
+    from megatron_dualkv.ops import cuda_backend
     from megatron_dualkv.ops.attention import backend_status
 
     ok, why = backend_status("cuda", torch.empty(4, 2, 64), local_queries=True)
-    assert not ok and "q_rows" in why
+    assert not ok and why  # no GPU / extension here: skipped with a reason
+    monkeypatch.setattr(cuda_backend, "_load", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "_has_op", lambda name: True)
+    assert cuda_backend.supports_q_rows() == (True, "")
+    monkeypatch.setenv("MEGATRON_DUALKV_CUDA_BWD", "sm90")
+    ok, why = cuda_backend.supports_q_rows()
+    assert not ok and "ws kernels only" in why
+    monkeypatch.delenv("MEGATRON_DUALKV_CUDA_BWD")
+    monkeypatch.setattr(cuda_backend, "_has_op", lambda name: name != "bwd_ws_sm90")
+    ok, why = cuda_backend.supports_q_rows()
+    assert not ok and "predates" in why
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ The environment variable MEGATRON_DUALKV_ATTENTION_BACKEND forces one.
 
 Local queries (context parallelism): `q_rows` gives the packed row of every query when q holds
 only some rows while k, v hold all of them. Backends that accept it set `SUPPORTS_Q_ROWS = True`
-(reference, flex); the others are skipped with that reason (docs/CONTEXT_PARALLEL.md says what
-the CUDA kernel needs to accept them).
+(reference, flex) or define `supports_q_rows() -> (ok, reason)` (cuda: ws kernels, fast-mode
+backward); the others are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def backend_status(name: str, q: Tensor, local_queries: bool = False) -> tuple[b
     mod, why = _backend_module(name)
     if mod is None:
         return False, why
-    if local_queries and not getattr(mod, "SUPPORTS_Q_ROWS", False):
-        return False, "does not take local queries against gathered keys (q_rows) yet"
+    if local_queries:
+        probe = getattr(mod, "supports_q_rows", None)
+        ok, why = probe() if probe else (getattr(mod, "SUPPORTS_Q_ROWS", False), "")
+        if not ok:
+            return False, why or "does not take local queries against gathered keys (q_rows)"
     return mod.is_available(q)
 
 

@@ -24,6 +24,12 @@ An extension built before the ws ops existed falls back to the sm90 kernels.
 
 Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
 on the host once per layout and cached on the `SegmentTable`; any segment lengths (tails masked).
+
+Local queries (context parallelism, `q_rows`): q holds Tq of the T packed rows (a rank's CP
+chunks) while k, v hold all T. The ws kernels take them with no copy: each query tile carries the
+local row of its first query, each key tile the held query ranges that attend it with their local
+rows; masks use the packed rows, so the result is the whole micro-batch's restricted to q_rows.
+out, lse, dq have Tq rows; dk, dv have T rows (the contributions of the held queries).
 """
 
 from __future__ import annotations
@@ -97,7 +103,7 @@ def is_available(q: Optional[Tensor] = None) -> tuple[bool, str]:
     return True, ""
 
 
-def _input_problem(q: Tensor, k: Optional[Tensor] = None, v: Optional[Tensor] = None) -> str:
+def _input_problem(q: Tensor, k: Optional[Tensor] = None, v: Optional[Tensor] = None, local: bool = False) -> str:
     if q.dim() != 3:
         return f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -110,7 +116,7 @@ def _input_problem(q: Tensor, k: Optional[Tensor] = None, v: Optional[Tensor] = 
     if k is not None and v is not None:
         if k.dtype != q.dtype or v.dtype != q.dtype:
             return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
-        if k.dim() != 3 or k.shape != v.shape or k.shape[-1] != q.shape[-1] or k.shape[0] != q.shape[0]:
+        if k.dim() != 3 or k.shape != v.shape or k.shape[-1] != q.shape[-1] or (k.shape[0] != q.shape[0] and not local):
             return f"k, v must be [T, Hkv, D] matching q {tuple(q.shape)}; got {tuple(k.shape)}, {tuple(v.shape)}"
         if q.shape[1] % k.shape[1]:
             return f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})"
@@ -128,75 +134,161 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE) -> tuple[list, list, list]:
-    """Host work lists: row items [q0, q1, self0, par0, par1, cost, 0, 0] (query tiles), kv items
-    [k0, k1, seg_end, range_lo, range_hi, tiles_per_head, 0, 0] (key tiles), and kv ranges [q0, q1]
-    (merged children of each root). Each list is sorted heaviest first (longest-processing-time
-    order), so that long prompt tiles start before short response tiles."""
-    if segments.depth > 2:
-        raise ValueError(
-            f"the CUDA DualKV kernels take segment trees of depth <= 2 (root prompt + child responses); "
-            f"this layout has depth {segments.depth}"
-        )
+# Query chunks: the packed rows q holds, as (packed row a, packed row b, local row of a) for each
+# contiguous run; the whole micro-batch is the one chunk (0, T, 0). A context-parallel rank holds
+# a few runs (its CP chunks, cp/partition.py).
+QueryChunks = tuple
+
+
+def query_chunks(q_rows: Tensor, num_tokens: int) -> QueryChunks:
+    """The runs of consecutive packed rows in q_rows (ascending, unique, inside [0, num_tokens))."""
+    rows = q_rows.detach().to("cpu", torch.int64)
+    if rows.numel() == 0:
+        raise ValueError("q_rows is empty: a rank must hold at least one query row")
+    steps = rows[1:] - rows[:-1]
+    if bool((steps <= 0).any()) or int(rows[0]) < 0 or int(rows[-1]) >= num_tokens:
+        raise ValueError(f"q_rows must be ascending, unique packed rows inside [0, {num_tokens}); got rows "
+                         f"{int(rows.min())}..{int(rows.max())}{' not ascending' if bool((steps <= 0).any()) else ''}")
+    breaks = (torch.nonzero(steps != 1).flatten() + 1).tolist()
+    firsts = [0] + breaks
+    lasts = breaks + [rows.numel()]
+    r = rows.tolist()
+    return tuple((r[i], r[j - 1] + 1, i) for i, j in zip(firsts, lasts))
+
+
+def _held(a: int, b: int, chunks: Optional[QueryChunks]) -> list:
+    """The parts of packed rows [a, b) that q holds: [(lo, hi, local row of lo)]."""
+    if chunks is None:
+        return [(a, b, a)] if b > a else []
+    out = []
+    for c0, c1, loc in chunks:
+        lo, hi = max(a, c0), min(b, c1)
+        if lo < hi:
+            out.append((lo, hi, loc + lo - c0))
+    return out
+
+
+def _child_ranges(segments: SegmentTable) -> dict:
+    """root segment -> the merged contiguous packed-row ranges of its children."""
     starts, lengths, parents = segments.host_start, segments.host_length, segments.host_parent
     children: dict[int, list[int]] = {}
     for s, p in enumerate(parents):
         if p >= 0:
             children.setdefault(p, []).append(s)
-    # merged contiguous child ranges of each root
-    ranges: list[tuple[int, int]] = []
-    root_ranges: dict[int, tuple[int, int]] = {}
+    merged = {}
     for p, kids in children.items():
-        lo = len(ranges)
-        cur = None
+        runs: list[tuple[int, int]] = []
         for s in sorted(kids, key=lambda x: starts[x]):
             a, b = starts[s], starts[s] + lengths[s]
-            if cur is not None and cur[1] == a:
-                cur = (cur[0], b)
+            if runs and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b)
             else:
-                if cur is not None:
-                    ranges.append(cur)
-                cur = (a, b)
-        ranges.append(cur)
-        root_ranges[p] = (lo, len(ranges))
+                runs.append((a, b))
+        merged[p] = runs
+    return merged
 
-    rows, kvs = [], []
-    for s, (a, n, p) in enumerate(zip(starts, lengths, parents)):
-        end = a + n
-        if p >= 0:
-            par0, par1 = starts[p], starts[p] + lengths[p]
-        else:
-            par0 = par1 = 0
+
+def _check_depth(segments: SegmentTable) -> None:
+    if segments.depth > 2:
+        raise ValueError(
+            f"the CUDA DualKV kernels take segment trees of depth <= 2 (root prompt + child responses); "
+            f"this layout has depth {segments.depth}"
+        )
+
+
+def row_items(segments: SegmentTable, row_tile: int = TILE, chunks: Optional[QueryChunks] = None) -> list:
+    """Query tiles: [q0, q1, self0, par0, par1, cost, qloc, 0], heaviest first (longest-processing-
+    time order, so long prompt tiles start before short response tiles). Rows q0..q1 lie in one
+    segment starting at self0 (parent rows par0..par1, or 0, 0 for a root) and in one query chunk;
+    qloc is q0's row in q. cost counts 64-row key tiles."""
+    _check_depth(segments)
+    items = []
+    for a, n, p in zip(segments.host_start, segments.host_length, segments.host_parent):
+        par0, par1 = (segments.host_start[p], segments.host_start[p] + segments.host_length[p]) if p >= 0 else (0, 0)
         npar = _ceil(par1 - par0, TILE)
-        for q0 in range(a, end, row_tile):
-            q1 = min(q0 + row_tile, end)
-            rows.append((npar + _ceil(q1 - a, TILE), q0, q1, a, par0, par1))
+        for lo, hi, loc in _held(a, a + n, chunks):
+            for q0 in range(lo, hi, row_tile):
+                q1 = min(q0 + row_tile, hi)
+                items.append([q0, q1, a, par0, par1, npar + _ceil(q1 - a, TILE), loc + q0 - lo, 0])
+    items.sort(key=lambda r: -r[5])
+    return items
+
+
+def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE) -> tuple[list, list, list]:
+    """Host work lists of the mma / sm90 kernels (every query row): row items (`row_items`), kv
+    items [k0, k1, seg_end, range_lo, range_hi, tiles_per_head, 0, 0] (key tiles; the query rows
+    that attend them: their own segment's rows from k0 on, causally, and the kv ranges
+    range_lo..range_hi), and kv ranges [q0, q1] (merged children of each root). Heaviest first."""
+    _check_depth(segments)
+    starts, lengths = segments.host_start, segments.host_length
+    ranges: list[list[int]] = []
+    root_ranges: dict[int, tuple[int, int]] = {}
+    for p, runs in _child_ranges(segments).items():
+        root_ranges[p] = (len(ranges), len(ranges) + len(runs))
+        ranges += [[a, b] for a, b in runs]
+    kvs = []
+    for s, (a, n) in enumerate(zip(starts, lengths)):
+        end = a + n
         rlo, rhi = root_ranges.get(s, (0, 0))
         child_tiles = sum(_ceil(ranges[r][1] - ranges[r][0], TILE) for r in range(rlo, rhi))
         for k0 in range(a, end, kv_tile):
-            k1 = min(k0 + kv_tile, end)
-            kvs.append((_ceil(end - k0, TILE) + child_tiles, k0, k1, end, rlo, rhi))
-    rows.sort(key=lambda r: -r[0])
-    kvs.sort(key=lambda r: -r[0])
-    row_work = [[q0, q1, a, par0, par1, c, 0, 0] for (c, q0, q1, a, par0, par1) in rows]
-    kv_work = [[k0, k1, end, rlo, rhi, c, 0, 0] for (c, k0, k1, end, rlo, rhi) in kvs]
-    kv_ranges = [[a, b] for a, b in ranges] or [[0, 0]]
-    return row_work, kv_work, kv_ranges
+            kvs.append([k0, min(k0 + kv_tile, end), end, rlo, rhi,
+                        _ceil(end - k0, TILE) + child_tiles, 0, 0])
+    kvs.sort(key=lambda r: -r[5])
+    return row_items(segments, row_tile), kvs, ranges or [[0, 0]]
 
 
-def work_tensors(segments: SegmentTable, device: torch.device) -> tuple[Tensor, ...]:
-    """Device work lists for a layout, built once and cached on the SegmentTable:
-    (row items of 64-row query tiles, row items of 128-row query tiles, kv items of 64-row key
-    tiles, kv items of 128-row key tiles, kv ranges). Row items count kv tiles per their
-    kernel, so one list serves any kv tile size; kv items count 64-row query tiles."""
+def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128) -> tuple[list, list]:
+    """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
+    tiles_per_head, 0, 0, 0] (one per key tile, also when no held query attends it: its dK, dV
+    are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
+    rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
+    segment from k0 on (causal) and the children of a root. Heaviest first."""
+    _check_depth(segments)
+    children = _child_ranges(segments)
+    items, ranges = [], []
+    for s, (a, n) in enumerate(zip(segments.host_start, segments.host_length)):
+        end = a + n
+        kids = [(lo, hi, loc, 0) for ca, cb in children.get(s, []) for lo, hi, loc in _held(ca, cb, chunks)]
+        for k0 in range(a, end, kv_tile):
+            own = [(lo, hi, loc, 1) for lo, hi, loc in _held(k0, end, chunks)]
+            rlo = len(ranges)
+            ranges += own + kids
+            tiles = sum(_ceil(hi - lo, TILE) for lo, hi, _, _ in own + kids)
+            items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, 0, 0])
+    items.sort(key=lambda r: -r[4])
+    return items, [list(r) for r in ranges] or [[0, 0, 0, 0]]
 
-    def build():
-        rw, kw, kr = build_work(segments)
-        rw128, kw128, _ = build_work(segments, row_tile=128, kv_tile=128)
-        mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))
-        return mk(rw), mk(rw128), mk(kw), mk(kw128), mk(kr)
 
-    return segments.cached(("cuda_backend_work", str(device)), build)
+class Work:
+    """Device work lists of one layout (and one set of query chunks), built once and cached on
+    the SegmentTable: row items of 64-row (mma) and 128-row (sm90, ws) query tiles, kv items and
+    ranges of 64-row (mma) and 128-row (sm90) key tiles, and the ws backward's kv items/ranges.
+    With query chunks (local queries) only the ws lists are built."""
+
+    def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None):
+        mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
+        self.local = chunks is not None
+        self.rows128 = mk(row_items(segments, 128, chunks))
+        ws_items, ws_ranges = ws_kv_work(segments, chunks)
+        self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
+        if not self.local:
+            rw, kw, kr = build_work(segments)
+            _, kw128, _ = build_work(segments, row_tile=128, kv_tile=128)
+            self.rows64, self.kv64, self.kv128, self.ranges = mk(rw), mk(kw), mk(kw128), mk(kr)
+
+
+def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None) -> Work:
+    """The `Work` of a layout on a device (cached on the SegmentTable)."""
+    return segments.cached(("cuda_backend_work", str(device), chunks), lambda: Work(segments, device, chunks))
+
+
+def cached_query_chunks(segments: SegmentTable, q_rows: Tensor) -> QueryChunks:
+    """query_chunks(q_rows), read from the device once per q_rows tensor: cached on the layout
+    under the tensor's storage, which the cache keeps alive so it cannot be reused by another
+    tensor while the entry exists (every layer of a step passes the same CPShard.rows)."""
+    key = ("cuda_backend_q_rows", q_rows.data_ptr(), q_rows.numel(), q_rows._version)
+    return segments.cached(key, lambda: (q_rows, query_chunks(q_rows, segments.num_tokens)))[1]
 
 
 FWD_IMPLS = ("sm90", "mma", "ws")  # "ws": warp-specialized kernels, the default where built
@@ -249,88 +341,111 @@ def _register_python_side() -> None:
 
 
 class _DualKVFunction(torch.autograd.Function):
+    """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
+    bwd_kind): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs (`_lists` picks the
+    work lists that match both kinds)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, rw, rw128, kw, kw128, kr, scale, deterministic, fwd_sm90, bwd_sm90):
-        # fwd_sm90: True (wgmma), False (mma.sync) or "ws" (warp-specialized wgmma)
-        if fwd_sm90 == "ws":
-            out, lse = torch.ops.megatron_dualkv.fwd_ws_sm90(q, k, v, rw128, scale)
-        elif fwd_sm90:
-            out, lse = torch.ops.megatron_dualkv.fwd_sm90(q, k, v, rw128, scale)
-        else:
-            out, lse = torch.ops.megatron_dualkv.fwd(q, k, v, rw, scale)
-        if bwd_sm90:
-            ctx.save_for_backward(q, k, v, out, lse, rw128, kw128, kr)
-        else:
-            ctx.save_for_backward(q, k, v, out, lse, rw, kw, kr)
-        ctx.scale = scale
-        ctx.deterministic = deterministic
-        ctx.bwd_sm90 = bwd_sm90
+    def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind):
+        ops = torch.ops.megatron_dualkv
+        fwd_op = {"ws": ops.fwd_ws_sm90, "sm90": ops.fwd_sm90, "mma": ops.fwd}[fwd_kind]
+        out, lse = fwd_op(q, k, v, fwd_rows, scale)
+        ctx.save_for_backward(q, k, v, out, lse, bwd_rows, bwd_kv, bwd_ranges)
+        ctx.scale, ctx.deterministic, ctx.bwd_kind = scale, deterministic, bwd_kind
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, row_work, kv_work, kv_ranges = ctx.saved_tensors
+        q, k, v, out, lse, rows, kv, ranges = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        # bwd_sm90: True (wgmma), False (mma.sync) or "ws" (warp-specialized, fast mode only)
-        if ctx.bwd_sm90 == "ws" and not ctx.deterministic:
-            op = torch.ops.megatron_dualkv.bwd_ws_sm90
-        elif ctx.bwd_sm90:
-            op = torch.ops.megatron_dualkv.bwd_sm90
-        else:
-            op = torch.ops.megatron_dualkv.bwd
-        dq, dk, dv = op(
-            dout.contiguous(), q, k, v, out, lse, None, row_work, kv_work, kv_ranges, ctx.scale,
-            ctx.deterministic,
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        ops = torch.ops.megatron_dualkv
+        op = {"ws": ops.bwd_ws_sm90, "sm90": ops.bwd_sm90, "mma": ops.bwd}[ctx.bwd_kind]
+        dq, dk, dv = op(dout.contiguous(), q, k, v, out, lse, None, rows, kv, ranges, ctx.scale, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable) -> None:
+def _lists(work: Work, fwd_kind: str, bwd_kind: str, deterministic: bool) -> tuple:
+    """(forward rows, backward rows, kv items, ranges, backward kernel) for the kernels chosen;
+    the ws backward has no deterministic mode, so deterministic runs the sm90 one."""
+    fwd_rows = work.rows64 if fwd_kind == "mma" else work.rows128
+    if bwd_kind == "ws" and not deterministic:
+        return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws"
+    if bwd_kind == "mma":
+        return fwd_rows, work.rows64, work.kv64, work.ranges, "mma"
+    return fwd_rows, work.rows128, work.kv128, work.ranges, "sm90"
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, local: bool) -> None:
     ok, why = _load()
     if not ok:
         raise RuntimeError(f"DualKV CUDA backend unavailable: {why}")
     if not q.is_cuda:
         raise ValueError(f"DualKV CUDA backend: q is on {q.device}, not a CUDA device")
-    problem = _input_problem(q, k, v)
+    problem = _input_problem(q, k, v, local)
     if problem:
         raise ValueError(f"DualKV CUDA backend: {problem}")
-    if segments.num_tokens != q.shape[0]:
-        raise ValueError(f"DualKV CUDA backend: the layout packs {segments.num_tokens} tokens, q holds {q.shape[0]}")
+    if segments.num_tokens != k.shape[0] or (not local and segments.num_tokens != q.shape[0]):
+        raise ValueError(f"DualKV CUDA backend: the layout packs {segments.num_tokens} tokens, q holds {q.shape[0]}, "
+                         f"k and v {k.shape[0]}")
     if segments.depth > 2:
         raise ValueError(
             f"DualKV CUDA backend: segment trees of depth {segments.depth} are not supported (depth <= 2: prompt + responses)"
         )
 
 
+def supports_q_rows() -> tuple[bool, str]:
+    """Local queries (q_rows) run on the ws kernels, fast-mode backward."""
+    ok, why = _load()
+    if not ok:
+        return False, why
+    if not (_has_op("fwd_ws_sm90") and _has_op("bwd_ws_sm90")):
+        return False, "local queries need the ws kernels; the loaded extension predates them"
+    for env in ("MEGATRON_DUALKV_CUDA_FWD", "MEGATRON_DUALKV_CUDA_BWD"):
+        if os.environ.get(env, "ws") != "ws":
+            return False, f"local queries run on the ws kernels only; ${env}={os.environ[env]}"
+    return True, ""
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,
             deterministic: bool = False, fwd_impl: Optional[str] = None,
-            bwd_impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    """(out [T, Hq, D], lse [Hq, T] float32). Differentiable in q, k, v through `out`.
+            bwd_impl: Optional[str] = None, q_rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out [Tq, Hq, D], lse [Hq, Tq] float32). Differentiable in q, k, v through `out`.
 
     fwd_impl / bwd_impl: "ws" (warp-specialized, default where the extension has it), "sm90"
     (wgmma, synchronous) or "mma" (mma.sync kernels); the ws backward has no deterministic mode, so
     with deterministic=True it runs the sm90 one. $MEGATRON_DUALKV_CUDA_FWD /
     $MEGATRON_DUALKV_CUDA_BWD set the defaults.
+    q_rows: int64 [Tq], ascending packed rows of q's rows when q holds only some queries (context
+    parallelism) while k, v hold all T rows; runs on the ws kernels, fast-mode backward only.
     """
-    _check(q, k, v, segments)
+    local = q_rows is not None
+    _check(q, k, v, segments, local)
     fi = _impl(fwd_impl, "MEGATRON_DUALKV_CUDA_FWD", "forward")
     bi = _impl(bwd_impl, "MEGATRON_DUALKV_CUDA_BWD", "backward", BWD_IMPLS, "bwd_ws_sm90")
     for kind, op in ((fi, "fwd_ws_sm90"), (bi, "bwd_ws_sm90")):
         if kind == "ws" and not _has_op(op):
             raise RuntimeError(f"DualKV CUDA backend: impl 'ws' needs op megatron_dualkv::{op}; the loaded extension "
                                "predates it: rebuild (python csrc/build_ext.py or pip install -e .)")
+    chunks = None
+    if local:
+        if fi != "ws" or bi != "ws" or deterministic:
+            raise ValueError(f"DualKV CUDA backend: local queries (q_rows) run on the ws forward and the fast-mode ws "
+                             f"backward only; got fwd_impl={fi!r}, bwd_impl={bi!r}, deterministic={bool(deterministic)} "
+                             "(the flex backend takes the other cases)")
+        if q_rows.device != q.device or q_rows.dim() != 1 or q_rows.shape[0] != q.shape[0]:
+            raise ValueError(f"DualKV CUDA backend: q_rows must be [{q.shape[0]}] on {q.device}, "
+                             f"got {tuple(q_rows.shape)} on {q_rows.device}")
+        chunks = cached_query_chunks(segments, q_rows)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    rw, rw128, kw, kw128, kr = work_tensors(segments, q.device)
-    fwd_kind = "ws" if fi == "ws" else fi == "sm90"
-    bwd_kind = "ws" if bi == "ws" else bi == "sm90"
-    return _DualKVFunction.apply(q, k, v, rw, rw128, kw, kw128, kr, scale, bool(deterministic), fwd_kind,
-                                 bwd_kind)
+    fwd_rows, bwd_rows, kv, ranges, bwd_kernel = _lists(work_tensors(segments, q.device, chunks), fi, bi,
+                                                        bool(deterministic))
+    return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,
               deterministic: bool = False, fwd_impl: Optional[str] = None,
-              bwd_impl: Optional[str] = None) -> Tensor:
-    """out [T, Hq, D]; differentiable."""
-    return forward(q, k, v, segments, softmax_scale, deterministic, fwd_impl, bwd_impl)[0]
+              bwd_impl: Optional[str] = None, q_rows: Optional[Tensor] = None) -> Tensor:
+    """out [Tq, Hq, D]; differentiable."""
+    return forward(q, k, v, segments, softmax_scale, deterministic, fwd_impl, bwd_impl, q_rows)[0]

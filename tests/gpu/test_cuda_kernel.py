@@ -276,6 +276,66 @@ def test_wsbwd_dq_matches_sm90(d):
     assert e_ws <= e_ref * SLACK + 1e-7, f"dq error vs float64 {e_ws:.3e} exceeds sm90's {e_ref:.3e}"
 
 
+def cp_like_rows(t, seed):
+    """The rows a context-parallel rank might hold: 3 of 7 runs of [0, t), cut at odd rows."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, t), 6))
+    runs = list(zip([0] + cuts, cuts + [t]))
+    return torch.cat([torch.arange(a, b) for a, b in sorted(rng.sample(runs, 3))]).to("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_local_queries(case):
+    """Local queries (context parallelism): q holds some packed rows, k and v all of them. The ws
+    forward gives bitwise the full micro-batch's out and lse on those rows; the ws backward's dq
+    (held rows) and dk, dv (all rows, contributions of the held queries) are within the
+    replicated SDPA error of the float64 truth of the same problem (dout zero on other rows)."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    t = seg.num_tokens
+    scale = 1.0 / math.sqrt(d)
+    q, k, v, dout = inputs(t, hq, hkv, d, dtype, seed=99 + case + random.randrange(1 << 20))
+    rows = cp_like_rows(t, seed=case)
+    full_out, full_lse = cuda_backend.forward(q, k, v, seg, scale, fwd_impl="ws")
+    ql, kk, vv = q[rows].clone().requires_grad_(True), k.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
+    out, lse = cuda_backend.forward(ql, kk, vv, seg, scale, q_rows=rows)
+    assert out.shape == ql.shape and lse.shape == (hq, rows.numel())
+    assert torch.equal(out, full_out[rows]) and torch.equal(lse, full_lse[:, rows]), "forward differs from the full batch"
+    out.backward(dout[rows])
+    held = torch.zeros(t, 1, 1, device="cuda", dtype=dout.dtype)
+    held[rows] = 1
+    masked = dout * held
+    _, _, ex_dq, ex_dk, ex_dv = exact(q, k, v, masked, seg, scale)
+    _, r_dq, r_dk, r_dv = replicated_sdpa(q, k, v, masked, seg, scale)
+    lines = []
+    for name, mine, rep, truth in (("dq", ql.grad, r_dq[rows], ex_dq[rows]), ("dk", kk.grad, r_dk, ex_dk),
+                                   ("dv", vv.grad, r_dv, ex_dv)):
+        assert torch.isfinite(mine).all(), f"{name}: non-finite elements (unwritten or overflow)"
+        e_k, e_r = rel(mine, truth), rel(rep, truth)
+        lines.append(f"{name}: kernel {e_k:.3e} replicated-SDPA {e_r:.3e}")
+        assert e_k <= e_r * SLACK + 1e-7, f"local queries {name}: kernel error {e_k:.3e} > replicated SDPA {e_r:.3e}"
+    print(f"case {case} local queries {rows.numel()} of {t} rows: " + "; ".join(lines))
+
+
+@gpu
+def test_local_queries_through_the_entry_point():
+    """dualkv_attention(..., q_rows=...) picks the cuda backend and refuses what it cannot take."""
+    from megatron_dualkv.ops import attention as entry
+
+    seg = make_segments([(300, [5, 90]), (40, [7] * 3)], pad=3)
+    q, k, v, _ = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    rows = cp_like_rows(seg.num_tokens, seed=7)
+    assert entry.select_backend(q[rows], local_queries=True)[0] == "cuda"
+    out = entry.dualkv_attention(q[rows].contiguous(), k, v, seg, 0.1, q_rows=rows)
+    assert torch.equal(out, cuda_backend.attention(q, k, v, seg, 0.1)[rows])
+    with pytest.raises(ValueError, match="local queries"):
+        cuda_backend.attention(q[rows].contiguous(), k, v, seg, 0.1, deterministic=True, q_rows=rows)
+    with pytest.raises(ValueError, match="ascending"):
+        cuda_backend.attention(q[rows].contiguous(), k, v, seg, 0.1, q_rows=rows.flip(0))
+
+
 @gpu
 def test_bad_inputs_raise_clear_errors():
     seg = make_segments([(10, [3])])
@@ -301,10 +361,10 @@ def test_bad_inputs_raise_clear_errors():
 def test_torch_compile_traces_the_ops():
     seg = make_segments([(200, [10, 70])])
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
-    works = cuda_backend.work_tensors(seg, q.device)
+    lists = cuda_backend._lists(cuda_backend.work_tensors(seg, q.device), "sm90", "sm90", False)
 
     def f(q, k, v):
-        return cuda_backend._DualKVFunction.apply(q, k, v, *works, 0.09, False, True, True)[0]
+        return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, "sm90", lists[4])[0]
 
     qq = q.clone().requires_grad_(True)
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(qq, k, v)
@@ -359,6 +419,63 @@ def test_work_lists_cover_every_allowed_pair_once(seed, tiles):
             assert allowed <= visited
             assert {i for i in visited if not (seg_of[i] == s_ and i < j)} == allowed
     assert kcovered == [1] * t
+
+
+def random_chunks(t, rng):
+    """Query chunks as a context-parallel rank holds them: some runs of [0, t), ascending."""
+    cuts = sorted(rng.sample(range(1, t), min(t - 1, rng.randint(1, 9))))
+    runs = list(zip([0] + cuts, cuts + [t]))
+    held = [r for r in runs if rng.random() < 0.5] or [runs[0]]
+    rows = torch.cat([torch.arange(a, b) for a, b in held])
+    return rows, cuda_backend.query_chunks(rows, t)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("local", [False, True])
+def test_ws_work_lists_cover_the_held_queries_once(seed, local):
+    """The ws lists (128-row tiles): row items tile each held query once, with its local row; kv
+    items visit, for every key row, exactly the held queries that attend it, at their local rows,
+    causal only inside the key's own segment."""
+    rng = random.Random(seed)
+    groups = [(rng.randint(1, 300), [rng.randint(1, 200) for _ in range(rng.randint(0, 6))])
+              for _ in range(rng.randint(1, 4))]
+    seg = make_segments(groups, pad=rng.choice([0, 3, 70]), device="cpu")
+    t = seg.num_tokens
+    rows, chunks = random_chunks(t, rng) if local else (torch.arange(t), None)
+    local_of = {int(g): i for i, g in enumerate(rows)}
+    seg_of = seg.token_segment_ids().tolist()
+    parents = seg.host_parent
+    covered = {}
+    for q0, q1, self0, par0, par1, cost, qloc, _ in cuda_backend.row_items(seg, 128, chunks):
+        assert seg_of[q1 - 1] == seg_of[q0] and 0 < q1 - q0 <= 128 and self0 == seg.host_start[seg_of[q0]]
+        for i in range(q0, q1):
+            assert local_of[i] == qloc + i - q0
+            covered[i] = covered.get(i, 0) + 1
+    assert covered == {i: 1 for i in local_of}
+    items, ranges = cuda_backend.ws_kv_work(seg, chunks)
+    kcovered = [0] * t
+    for k0, k1, rlo, rhi, per_head, _, _, _ in items:
+        s_ = seg_of[k0]
+        assert seg_of[k1 - 1] == s_ and k1 - k0 <= 128
+        visited = {}
+        for a, b, loc, causal in ranges[rlo:rhi]:
+            assert causal == (seg_of[a] == s_) and (not causal or a >= k0)  # no rows wholly masked
+            for i in range(a, b):
+                assert i not in visited and local_of[i] == loc + i - a
+                visited[i] = causal
+        assert per_head == sum(-(-(b - a) // 64) for a, b, _, _ in ranges[rlo:rhi])
+        for j in range(k0, k1):
+            kcovered[j] += 1
+            allowed = {i for i in local_of if (seg_of[i] == s_ and i >= j) or parents[seg_of[i]] == s_}
+            assert {i for i, c in visited.items() if not (c and i < j)} == allowed
+    assert kcovered == [1] * t
+
+
+def test_query_chunks_reject_bad_rows():
+    assert cuda_backend.query_chunks(torch.tensor([0, 1, 2, 5, 6, 9]), 10) == ((0, 3, 0), (5, 7, 3), (9, 10, 5))
+    for bad in ([3, 2], [1, 1], [-1, 0], [9, 10]):
+        with pytest.raises(ValueError, match="ascending, unique packed rows"):
+            cuda_backend.query_chunks(torch.tensor(bad), 10)
 
 
 def test_work_lists_reject_deeper_trees():
