@@ -6,6 +6,11 @@
 #   bash tools/gpu_session_check.sh kernel        # ws smoke (fwd, bwd), kernel GPU tests, ws timings
 #                                                 # (CP_FLEX=1: also the compiled-Flex CP test)
 #   bash tools/gpu_session_check.sh integration   # demo, HF bf16 check, training A/B
+#   AB_LIBS="old=.gpu/final/_C.so new=.gpu/lq/_C.so" bash tools/gpu_session_check.sh ab
+#                                                 # before/after kernel timings: bench_kernel.py
+#                                                 # (cuda backend, 10 shapes) once per extension,
+#                                                 # alternating, in one device run ($AB_ENV: extra
+#                                                 # env per name, e.g. "new:MEGATRON_DUALKV_WS_DQ=tma")
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,10 +45,23 @@ if [ "$1" = kernel ]; then
   step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernel.py "${K[@]}"
   [ -n "$CP_FLEX" ] && step cp_flex_gpu 90 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k compiled_flex
   # ws forward (and ws fwd+bwd when the backward passed) next to the defaults on all published shapes
-  if [ "$FWD_RC" = 0 ]; then
+  if [ "$FWD_RC" = 0 ] && [ -z "$NO_BENCH_WS" ]; then
     [ "$BWD_RC" != 0 ] && export MEGATRON_DUALKV_BENCH_NO_WS_BWD=1
     TAIL=14 step bench_ws 150 python3 csrc/bench_cuda.py --ws
   fi
+  exit 0
+fi
+if [ "$1" = ab ]; then
+  # each extension in its own process (two libraries cannot register the same ops in one)
+  for pass in 1 2; do
+    for spec in $AB_LIBS; do
+      name=${spec%%=*}; lib=${spec#*=}
+      extra=$(for e in $AB_ENV; do [ "${e%%:*}" = "$name" ] && echo "${e#*:}"; done)
+      TAIL=16 step "bench_${name}_${pass}" 200 env MEGATRON_DUALKV_CUDA_LIB="$PWD/$lib" $extra python3 tools/bench_kernel.py \
+        --backends cuda --reps ${AB_REPS:-5} --warmup 2 --out "$OUT/bench_${name}_${pass}.md"
+    done
+    [ -n "$AB_ONE_PASS" ] && break
+  done
   exit 0
 fi
 step demo_gpu 90 python3 examples/equivalence_demo.py --groups 8
