@@ -240,7 +240,7 @@ def cpu_job(args, pgs) -> int:
     from megatron_dualkv.training.providers import build_policy_model, model_config_from_args, rollout_stream_from_args
     from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
     from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, ReferencePolicy
-    from megatron_dualkv.training.throughput import ModelShape
+    from megatron_dualkv.model_shape import ModelShape
 
     t_start = time.perf_counter()
     cfg = model_config_from_args(args)

@@ -20,7 +20,7 @@ What it models (docs/PLANNER.md gives every formula and the assumptions behind e
 - time: FLOPs at stated achieved rates (matmul, expert GEMM, attention per implementation) plus
   TP / CP / EP / DP communication at stated bandwidths, nothing overlapped (an upper bound);
 - MFU: deduplicated useful FLOPs (what DualKV computes, without recomputation) / (time x peak x GPUs),
-  the convention of megatron_dualkv.training.throughput.
+  the convention of the training script's log; every FLOP formula is megatron_dualkv.model_shape's.
 Checked on CPU against a tiny Megatron model (tests/test_planner.py); not yet against GPU runs.
 """
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .flops import FWD_BWD_FACTOR, group_pairs
+from .model_shape import MATMUL_FWD_BWD_FACTOR, ModelShape
 
 GIB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "full")
@@ -39,114 +40,12 @@ WORKSPACE_NONE = 0.25
 WORKSPACE_FULL = 1.0
 
 
-# ------------------------------------------------------------------------------------------------
-# Model shape and parameter counts
-# ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A Qwen3-style decoder (RMSNorm, optional qk-norm, SwiGLU, no biases, RoPE, untied output)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int
-    num_moe_experts: Optional[int] = None
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_router_topk: int = 1
-    qk_layernorm: bool = True
-    untied_embeddings: bool = True
-    name: str = "custom"
-
-    def __post_init__(self):
-        for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                  "kv_channels", "vocab_size"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"ModelShape.{f} must be >= 1, got {getattr(self, f)}")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_query_groups {self.num_query_groups}")
-        if self.num_moe_experts:
-            if not self.moe_ffn_hidden_size:
-                raise ValueError("an MoE shape needs moe_ffn_hidden_size")
-            if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-                raise ValueError(f"moe_router_topk must be in [1, {self.num_moe_experts}], got {self.moe_router_topk}")
-
-    @property
-    def is_moe(self) -> bool:
-        return bool(self.num_moe_experts)
-
-    @staticmethod
-    def preset(size: str, **overrides) -> "ModelShape":
-        """The shape of megatron_dualkv.megatron.qwen3_config(size, **overrides)."""
-        from .megatron.config import qwen3_config
-
-        cfg = qwen3_config(size, **overrides)
-        return ModelShape.of(cfg.transformer, cfg.vocab_size, untied=not cfg.share_embeddings_and_output_weights,
-                             name=size)
-
-    @staticmethod
-    def of(transformer_config, vocab_size: int, untied: bool = True, name: str = "custom") -> "ModelShape":
-        c = transformer_config
-        if not c.gated_linear_unit:
-            raise ValueError("the planner models SwiGLU (gated) MLPs only")
-        if getattr(c, "moe_shared_expert_intermediate_size", None):
-            raise ValueError("shared experts are not modelled")
-        return ModelShape(
-            num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
-            num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups or c.num_attention_heads,
-            kv_channels=c.kv_channels or c.hidden_size // c.num_attention_heads, vocab_size=vocab_size,
-            num_moe_experts=c.num_moe_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
-            moe_router_topk=c.moe_router_topk or 1 if c.num_moe_experts else 1,
-            qk_layernorm=bool(c.qk_layernorm), untied_embeddings=untied, name=name,
-        )
-
-    def flops_shape(self):
-        """The same shape as megatron_dualkv.training.throughput.ModelShape (the script's MFU)."""
-        from .training.throughput import ModelShape as ThroughputShape
-
-        return ThroughputShape(
-            num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-            num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
-            kv_channels=self.kv_channels, vocab_size=self.vocab_size, gated_linear_unit=True,
-            num_moe_experts=self.num_moe_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_router_topk=self.moe_router_topk,
-        )
-
-    # -- parameters --------------------------------------------------------------------------
-    def _qkv_out(self) -> int:
-        return self.kv_channels * (self.num_attention_heads + 2 * self.num_query_groups)
-
-    def param_counts(self) -> dict:
-        """Whole-model parameter counts by how they are sharded:
-        tp: split over TP (QKV, output projection, dense MLP); vocab: split over TP (embedding,
-        output layer); replicated: on every rank (norms, router); expert: split over EP x ETP."""
-        h, L = self.hidden_size, self.num_layers
-        attn_tp = h * self._qkv_out() + self.num_attention_heads * self.kv_channels * h
-        rep = h + (2 * self.kv_channels if self.qk_layernorm else 0) + h  # input norm, qk norms, pre-MLP norm
-        if self.is_moe:
-            mlp_tp, expert = 0, self.num_moe_experts * 3 * h * self.moe_ffn_hidden_size
-            rep += self.num_moe_experts * h  # router
-        else:
-            mlp_tp, expert = 3 * h * self.ffn_hidden_size, 0
-        vocab = self.vocab_size * h * (2 if self.untied_embeddings else 1)
-        return {"tp": L * (attn_tp + mlp_tp), "vocab": vocab, "replicated": L * rep + h, "expert": L * expert}
-
-    def total_params(self) -> int:
-        return sum(self.param_counts().values())
-
-    def active_params_per_token(self) -> int:
-        """Weights a token is multiplied by in the decoder layers (MoE: router + top-k experts)."""
-        h = self.hidden_size
-        attn = h * self._qkv_out() + self.num_attention_heads * self.kv_channels * h
-        if self.is_moe:
-            mlp = self.num_moe_experts * h + self.moe_router_topk * 3 * h * self.moe_ffn_hidden_size
-        else:
-            mlp = 3 * h * self.ffn_hidden_size
-        return self.num_layers * (attn + mlp)
+def require_modelled(shape: ModelShape) -> None:
+    """The activation and parameter model covers SwiGLU MLPs without shared experts."""
+    if not shape.gated_linear_unit:
+        raise ValueError(f"shape {shape.name!r}: the planner models SwiGLU (gated) MLPs only")
+    if shape.moe_shared_expert_intermediate_size:
+        raise ValueError(f"shape {shape.name!r}: the planner does not model shared experts")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,7 +90,9 @@ class Parallel:
         return self.world // (self.ep * self.etp)
 
     def check(self, shape: ModelShape) -> None:
-        """Raise ValueError when Megatron would refuse this layout for the shape."""
+        """Raise ValueError when Megatron would refuse this layout for the shape (or the planner
+        does not model the shape)."""
+        require_modelled(shape)
         if shape.num_attention_heads % self.tp or shape.num_query_groups % self.tp:
             raise ValueError(f"tp {self.tp} must divide the attention heads ({shape.num_attention_heads}) and the "
                              f"query groups ({shape.num_query_groups})")
@@ -396,6 +297,7 @@ def layer_activation_terms(shape: ModelShape, impl: Implementation, dualkv: bool
     only under sequence parallelism (every TP rank holds them otherwise), the head- and FFN-sized
     ones always. MoE expert terms are per (token, expert) pair, multiplied by top-k here.
     """
+    require_modelled(shape)
     h, d = shape.hidden_size, shape.kv_channels
     hq, hkv = shape.num_attention_heads, shape.num_query_groups
     norm_h = (8 * h + 4) if impl.norm == "composite" else (2 * h + 4)
@@ -601,32 +503,17 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
 
 # -- FLOPs and time --------------------------------------------------------------------------
 
-def _per_token_fwd_flops(shape: ModelShape) -> tuple[float, float]:
-    """(dense, expert) forward matmul FLOPs of one token through all layers (no attention, no logits)."""
-    h, L = shape.hidden_size, shape.num_layers
-    attn = 2 * (h * shape._qkv_out() + shape.num_attention_heads * shape.kv_channels * h)
-    if shape.is_moe:
-        dense = attn + 2 * h * shape.num_moe_experts
-        expert = shape.moe_router_topk * 2 * 3 * h * shape.moe_ffn_hidden_size
-    else:
-        dense, expert = attn + 2 * 3 * h * shape.ffn_hidden_size, 0
-    return float(L * dense), float(L * expert)
-
-
-def _attn_fwd_flops(shape: ModelShape, pairs: int) -> float:
-    return 4.0 * shape.num_attention_heads * shape.kv_channels * pairs * shape.num_layers
-
-
 def micro_batch_flops(shape: ModelShape, mb: MicroBatch, recompute: str = "none", logits_recomputed: bool = False) -> dict:
-    """Executed FLOPs of one micro-batch (whole model, all GPUs), by item."""
-    dense_tok, expert_tok = _per_token_fwd_flops(shape)
-    attn_fwd = _attn_fwd_flops(shape, mb.attention_pairs)
-    extra_fwd = 1 if recompute == "full" else 0
+    """Executed FLOPs of one micro-batch (whole model, all GPUs), by item: ModelShape.step_flops
+    split by kind, plus what recomputation runs again."""
+    dense_tok, expert_tok = shape.token_matmul_flops_by_kind()
+    matmul = MATMUL_FWD_BWD_FACTOR + (1 if recompute == "full" else 0)
     return {
-        "dense": (3 + extra_fwd) * dense_tok * mb.tokens,
-        "expert": (3 + extra_fwd) * expert_tok * mb.tokens,
-        "logits": (4 if logits_recomputed else 3) * 2.0 * shape.hidden_size * shape.vocab_size * mb.logit_rows,
-        "attention": (FWD_BWD_FACTOR + (1 if recompute in ("full", "selective") else 0)) * attn_fwd,
+        "dense": matmul * dense_tok * mb.tokens,
+        "expert": matmul * expert_tok * mb.tokens,
+        "logits": (MATMUL_FWD_BWD_FACTOR + (1 if logits_recomputed else 0)) * shape.logits_flops(mb.logit_rows),
+        "attention": (FWD_BWD_FACTOR + (1 if recompute in ("full", "selective") else 0))
+        * shape.attention_flops(mb.attention_pairs),
     }
 
 
@@ -641,8 +528,7 @@ def micro_batch_time(plan: Plan, mb: MicroBatch) -> dict:
     shape, par, hw, rc = plan.shape, plan.parallel, plan.hw, plan.recompute
     f = micro_batch_flops(shape, mb, rc, plan.impl.logits_chunk_rows is not None)
     split = par.tp * par.cp
-    dense_tok, expert_tok = _per_token_fwd_flops(shape)
-    attn_fwd = _attn_fwd_flops(shape, mb.attention_pairs)
+    attn_fwd = shape.attention_flops(mb.attention_pairs)
     dual = plan.workload.dualkv
     attn_rate = (hw.dualkv_attn_tflops if dual else hw.stock_attn_tflops) * 1e12
     attn_fwd_rate = (hw.dualkv_attn_fwd_tflops if dual else hw.stock_attn_fwd_tflops) * 1e12
@@ -738,7 +624,7 @@ def _flops_and_time(plan: Plan, mbs: Sequence[MicroBatch]) -> None:
     tokens, pairs, edges = plan.workload.useful_totals()
     plan.flops = dict(executed)
     plan.flops["executed"] = sum(executed.values())
-    plan.flops["useful"] = shape.flops_shape().step_flops(tokens, pairs, edges)
+    plan.flops["useful"] = shape.step_flops(tokens, pairs, edges)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -337,12 +337,12 @@ def test_flops_agree_with_the_training_scripts_mfu_convention():
     work = Workload(16, 8192, 1024, groups_per_step=2)
     plan = make_plan(shape, Parallel(ep=8, dp=8), work)
     tokens, pairs, edges = work.useful_totals()
-    want = shape.flops_shape().step_flops(tokens, pairs, edges)
+    want = shape.step_flops(tokens, pairs, edges)
     assert plan.flops["useful"] == pytest.approx(want, rel=1e-12)
     assert plan.flops["executed"] == pytest.approx(want, rel=1e-12)  # DualKV, no recomputation: all useful
     stock = make_plan(shape, Parallel(ep=8, dp=8), dataclasses.replace(work, dualkv=False))
     mb = stock.workload.micro_batches()
-    want_stock = sum(shape.flops_shape().step_flops(m.tokens, m.attention_pairs, m.logit_rows) for m in mb)
+    want_stock = sum(shape.step_flops(m.tokens, m.attention_pairs, m.logit_rows) for m in mb)
     assert stock.flops["executed"] == pytest.approx(want_stock, rel=1e-12)
     assert stock.flops["useful"] == plan.flops["useful"] and stock.mfu < plan.mfu
     full = micro_batch_flops(shape, mb[0], "full")
@@ -389,6 +389,14 @@ def test_layouts_megatron_refuses_are_refused():
         make_plan(shape, Parallel(), Workload(2, 8, 8), recompute="some")
     with pytest.raises(ValueError, match="norm"):
         Implementation(norm="apex")
+    # one ModelShape describes any Megatron config; the planner refuses what it does not model
+    plain_mlp = dataclasses.replace(ModelShape.preset("8b"), gated_linear_unit=False)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        make_plan(plain_mlp, Parallel(), Workload(2, 8, 8))
+    shared = dataclasses.replace(shape, moe_shared_expert_intermediate_size=512)
+    with pytest.raises(ValueError, match="shared experts"):
+        Parallel(ep=8, dp=8).check(shared)
+    assert shared.token_matmul_flops() == shape.token_matmul_flops() + shape.num_layers * 2 * 3 * shape.hidden_size * 512
 
 
 def test_sweep_ranks_fitting_layouts_and_dualkv_wins_on_long_prompts():

@@ -168,7 +168,7 @@ def test_flop_model_counts_the_matrices_a_token_passes_through(gloo, size):
     """token_matmul_flops == 2 x the weights of every matrix a token multiplies (experts: top-k of
     them), read off the built model; a step adds the logits at the loss rows and the pairs."""
     from megatron_dualkv.flops import attention_flops
-    from megatron_dualkv.training.throughput import ModelShape
+    from megatron_dualkv.model_shape import ModelShape
     from megatron_dualkv.training.data import StepTotals
 
     stack, pgs = runtime()
@@ -251,7 +251,7 @@ def test_resume_from_checkpoint_reproduces_the_next_losses_exactly(gloo, tmp_pat
     from megatron_dualkv.training.log import StepLog
     from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
     from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, ReferencePolicy
-    from megatron_dualkv.training.throughput import ModelShape
+    from megatron_dualkv.model_shape import ModelShape
 
     records = read_rollouts(DEFAULT_ROLLOUTS, vocab_size=VOCAB)[:8]
 

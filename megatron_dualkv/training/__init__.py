@@ -6,7 +6,7 @@
     step.py        PolicyForwardStep: forward_step + loss_func (DualKV or replicated), reference
                    policy, old-logprob cache
     log.py         StepLog: loss, KL, clip fraction, tokens/s, dedup ratio, TFLOP/s, MFU per step
-    throughput.py  step FLOPs (deduplicated, replicated) and device peaks
+    throughput.py  device peaks (the step FLOPs are megatron_dualkv.model_shape's)
     runner.py      the loop on Megatron-Core's schedule and optimizer (CPU path), checkpoints
 
 The script is examples/pretrain_grpo_dualkv.py. Importing this package imports nothing heavy;

@@ -10,7 +10,7 @@ The metric sums of a step are all-reduced over the data-parallel group once, at 
 rank calls end_step at the same point). Step time runs from the step's first micro-batch to its
 end; tokens/s counts the replicated-equivalent tokens of the step (sum over responses of P + R:
 the same number for DualKV and --no-dualkv, so the two are directly comparable), TFLOP/s and MFU
-count only the deduplicated FLOPs (throughput.ModelShape.useful_flops) over every device.
+count only the deduplicated FLOPs (model_shape.ModelShape.useful_flops) over every device.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .data import StepItem, StepTotals
-from .throughput import ModelShape
+from ..model_shape import ModelShape
 
 
 @dataclass

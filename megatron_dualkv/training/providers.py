@@ -18,10 +18,10 @@ import torch
 
 from ..data import DEFAULT_ROLLOUTS, read_rollouts
 from ..megatron.config import ModelConfig, build_dualkv_model, build_replicated_model
+from ..model_shape import ModelShape
 from ..packing import PackingConfig, flop_work_weights
 from .args import advantage_estimator_from_args, check_parallelism, pad_to_multiple, round_budget
 from .data import RolloutStepStream
-from .throughput import ModelShape
 
 
 def padded_vocab_size(args) -> int:
