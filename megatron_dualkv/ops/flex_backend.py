@@ -187,39 +187,35 @@ def _blocks_first(selected: Tensor) -> tuple[Tensor, Tensor]:
     return num[None, None].contiguous(), order[None, None].contiguous()
 
 
-def dualkv_mask_mod(segments: SegmentTable) -> Callable:
-    """mask_mod(b, h, q_idx, kv_idx): same segment and kv <= q, or kv's segment an ancestor of q's.
+def _dualkv_allowed(seg: Tensor, levels: tuple, q_row: Tensor, kv_idx: Tensor) -> Tensor:
+    """The DualKV rule for packed query row q_row and key kv_idx: same segment and kv <= q, or
+    kv's segment an ancestor of q's. Tensor ops only (traced by vmap and torch.compile); the loop
+    runs over the tree's static depth."""
+    sq, sk = seg[q_row], seg[kv_idx]
+    ok = (sq == sk) & (kv_idx <= q_row)
+    for anc in levels:
+        ok = ok | (anc[sq] == sk)
+    return ok
 
-    Built as a closure of one code object for every micro-batch: dynamo guards a closure on its
-    code, so new tables do not recompile; only a different tree depth (number of levels) does.
+
+def dualkv_mask_mod(segments: SegmentTable, q_rows: Optional[Tensor] = None) -> Callable:
+    """mask_mod(b, h, q_idx, kv_idx) of the DualKV mask; q_rows: local queries, q_idx being
+    packed row q_rows[q_idx] (all rows in order otherwise, with no lookup in the kernel).
+
+    Built as a closure of one code object per kind (all rows, local rows) for every micro-batch:
+    dynamo guards a closure on its code, so new tables do not recompile; only a different tree
+    depth (number of levels) does.
     """
     seg = segments.token_segment_ids().to(torch.int32)
     levels = tuple(torch.tensor(lv, dtype=torch.int32, device=segments.device) for lv in ancestor_levels(segments))
+    if q_rows is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return _dualkv_allowed(seg, levels, q_idx, kv_idx)
+    else:
+        rows = q_rows.to(device=segments.device, dtype=torch.int32)
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        sq, sk = seg[q_idx], seg[kv_idx]
-        ok = (sq == sk) & (kv_idx <= q_idx)
-        for anc in levels:
-            ok = ok | (anc[sq] == sk)
-        return ok
-
-    return mask_mod
-
-
-def dualkv_local_mask_mod(segments: SegmentTable, q_rows: Tensor) -> Callable:
-    """mask_mod for local queries: query index q_idx is packed row q_rows[q_idx]."""
-    seg = segments.token_segment_ids().to(torch.int32)
-    rows = q_rows.to(device=segments.device, dtype=torch.int32)
-    levels = tuple(torch.tensor(lv, dtype=torch.int32, device=segments.device) for lv in ancestor_levels(segments))
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        row = rows[q_idx]
-        sq, sk = seg[row], seg[kv_idx]
-        ok = (sq == sk) & (kv_idx <= row)
-        for anc in levels:
-            ok = ok | (anc[sq] == sk)
-        return ok
-
+        def mask_mod(b, h, q_idx, kv_idx):
+            return _dualkv_allowed(seg, levels, rows[q_idx], kv_idx)
     return mask_mod
 
 
@@ -233,7 +229,7 @@ def build_block_mask(segments: SegmentTable, block: int = BLOCK, q_rows: Optiona
     full_num, full_idx = _blocks_first(full)
     t = segments.num_tokens
     t_q = t if q_rows is None else q_rows.shape[0]
-    mask_mod = dualkv_mask_mod(segments) if q_rows is None else dualkv_local_mask_mod(segments, q_rows)
+    mask_mod = dualkv_mask_mod(segments, q_rows)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(t_q, t),
     )
