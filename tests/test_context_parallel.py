@@ -191,6 +191,36 @@ def test_cp_attention_forward_and_backward_equal_full(workers, kind):
             assert (got - want[rows]).abs().max() < 1e-12, (kind, name)
 
 
+def dense_kv_worker() -> bool:
+    """cp_dualkv_attention on one rank, recording whether the entry point got dense K and V."""
+    import torch.distributed as dist
+
+    from megatron_dualkv.cp import attention as cp_attention
+
+    part, q, k, v = _local_rows_case()
+    shard = part.shard(dist.get_rank())
+    seen = []
+    entry = cp_attention.dualkv_attention
+
+    def recording(q_, k_, v_, *args, **kwargs):
+        seen.append(k_.is_contiguous() and v_.is_contiguous())
+        return entry(q_, k_, v_, *args, **kwargs)
+
+    cp_attention.dualkv_attention = recording
+    try:
+        rows = shard.rows
+        cp_attention.cp_dualkv_attention(q[rows], k[rows], v[rows], shard, dist.group.WORLD, 0.3, "reference")
+    finally:
+        cp_attention.dualkv_attention = entry
+    return seen == [True]
+
+
+def test_cp_attention_hands_dense_kv_to_the_entry_point(workers):
+    """The gathered K/V reach the attention backends as dense tensors: the CUDA kernels refuse
+    strided views ("k is not contiguous"), which slicing the one gathered [T, 2 Hkv, D] tensor gives."""
+    assert all(workers.run(dense_kv_worker, world_size=2))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or flex_backend.flex_attention is None, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_flex_local_queries_on_gpu(dtype):

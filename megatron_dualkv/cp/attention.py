@@ -33,5 +33,6 @@ def cp_dualkv_attention(q: Tensor, k: Tensor, v: Tensor, shard: CPShard, group,
         return dualkv_attention(q, k, v, shard.layout, softmax_scale, backend)
     hkv = k.shape[1]
     kv = gather_rows(torch.cat([k, v], dim=1), shard, group)
-    k_all, v_all = kv[:, :hkv], kv[:, hkv:]
+    # dense K and V (the CUDA kernels refuse strided views; GQA keeps the copies small)
+    k_all, v_all = kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
     return dualkv_attention(q, k_all, v_all, shard.layout, softmax_scale, backend, q_rows=shard.rows)
