@@ -18,7 +18,8 @@ output gradient, in these configurations:
 
 Per row and rank: the backend the entry point selects for exactly those inputs
 (megatron_dualkv.ops.attention.select_backend with the same request, dtype, device and local-query
-flag), median forward and forward+backward milliseconds after a warm-up call (compilation), peak
+flag), its forward output against cp1's on the same rows (max abs and norm-wise relative difference;
+same inputs on every rank), median forward and forward+backward milliseconds after a warm-up call, peak
 memory of the attention's tensors (q, k, v, output gradient, outputs, gathered K/V, gradients,
 workspace: max allocated minus what was allocated before they were made), the rank's attended
 (query, key) pairs and its useful TFLOP/s. Rank 0 prints one JSON summary (and writes --out).
@@ -184,13 +185,15 @@ class Bench:
         only_fwd = self.timed(fwd, self.args.iters)
         with torch.no_grad():
             out = fwd().detach()
-        diff = None
+        diff = rel = None
         if reference is not None:
             if rows is None:
-                diff = float((out.float() - reference.float()).abs().max())
+                got, want = out.float(), reference.float()
             else:  # this rank's rows of the unpadded micro-batch (CP padding rows have no reference)
                 real = rows < self.layout.num_tokens
-                diff = float((out[real].float() - reference.index_select(0, rows[real]).float()).abs().max())
+                got, want = out[real].float(), reference.index_select(0, rows[real]).float()
+            diff = float((got - want).abs().max())
+            rel = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
         step = statistics.median(both)
         total_flops = fwd_flops * self._fwd_bwd_factor()
         del q, k, v, dout
@@ -199,7 +202,7 @@ class Bench:
                "q_shape_at_entry_point": list(q_shape), "warmup_s": warmup,
                "fwd_ms": 1e3 * statistics.median(only_fwd), "fwd_bwd_ms": 1e3 * step,
                "peak_gib": peak, "useful_fwd_bwd_tflops": total_flops / step / 1e12,
-               "out_max_abs_diff_vs_cp1": diff}
+               "out_max_abs_diff_vs_cp1": diff, "out_rel_norm_diff_vs_cp1": rel}
         return row, out
 
     @staticmethod
