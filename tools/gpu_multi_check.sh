@@ -19,11 +19,12 @@
 #     Then, if the budget allows, *_reprollouts: the DualKV model on the same rollouts written with
 #     --replicate (exactly the replicated batch on the same DualKV kernel: the same-kernel A/B).
 #
-# Usage on the device machine, repo root, carrying .whl (megatron-core wheel) and .gpu/final (_C.so):
+# Usage on the device machine, repo root, carrying .whl (megatron-core wheel) and the CUDA extension
+# built from this checkout (.gpu/lq/_C.so, else .gpu/final/_C.so, or $MEGATRON_DUALKV_CUDA_LIB):
 #   bash tools/gpu_multi_check.sh           # everything (~6-7 min expected, BUDGET_S caps it)
 #   bash tools/gpu_multi_check.sh table     # only rebuild the table from the logs in $LOGS
 # Environment: OUT (/tmp/out), LOGS (/tmp/multi_gpu_logs), BUDGET_S (450 s for the steps),
-# CP_BACKEND (auto | cuda | flex), MEGATRON_DUALKV_CUDA_LIB (.gpu/final/_C.so),
+# CP_BACKEND (auto | cuda | flex), MEGATRON_DUALKV_CUDA_LIB (see above),
 # TORCHRUN (launcher of 2 local ranks; default: python3 -m torch.distributed.run --standalone).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,7 +35,13 @@ CP_BACKEND=${CP_BACKEND:-auto}
 read -r -a TORCHRUN <<< "${TORCHRUN:-python3 -m torch.distributed.run --standalone --nproc_per_node 2}"
 mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export MEGATRON_DUALKV_CUDA_LIB=${MEGATRON_DUALKV_CUDA_LIB:-$PWD/.gpu/final/_C.so}
+# the extension built from this checkout's csrc (the ws work lists changed with local queries, daa59eb:
+# an older build does not match them): .gpu/lq (local-query build) when carried, else .gpu/final
+if [ -z "$MEGATRON_DUALKV_CUDA_LIB" ]; then
+  MEGATRON_DUALKV_CUDA_LIB=$PWD/.gpu/final/_C.so
+  [ -f "$PWD/.gpu/lq/_C.so" ] && MEGATRON_DUALKV_CUDA_LIB=$PWD/.gpu/lq/_C.so
+fi
+export MEGATRON_DUALKV_CUDA_LIB
 
 # ------------------------------------------------------------------------------------------------
 # The summary: stdlib only, reads $LOGS, prints the tables and writes them as markdown.
