@@ -338,11 +338,11 @@ step() {  # step NAME MAX_S MIN_S CMD... : skipped when less than MIN_S of the b
 }
 
 if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout 30 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ] || { echo "needs 2 GPUs (nvidia-smi -L)"; exit 1; }
-python3 - "$LOGS/environment.json" "$CP_BACKEND" <<'PY'
+timeout 90 python3 - "$LOGS/environment.json" "$CP_BACKEND" <<'PY'
 # what the runs will use: GPUs, versions, and the backend the attention entry point picks for full
 # and for local (context-parallel all-gather) queries, bf16, the CP runs' request
 import json, os, subprocess, sys
@@ -392,8 +392,8 @@ for f in "$LOGS"/cp_attention*.json "$LOGS"/cp_model*.json; do [ -f "$f" ] && cp
 # 2. pretrain() with TP=2 and EP=2 (issue 4 point 7)
 R=/tmp/multi_rollouts.parquet; R_REP=/tmp/multi_rollouts_replicated.parquet
 SHAPE=(--groups 8 --responses 8 --prompt-len 2048 --response-len 1024 --response-len-min 256 --seed 1)
-python3 tools/make_synthetic_rollouts.py --out "$R" "${SHAPE[@]}" | tee -a "$LOGS/rollouts.log"
-python3 tools/make_synthetic_rollouts.py --out "$R_REP" "${SHAPE[@]}" --replicate | tee -a "$LOGS/rollouts.log"
+timeout 60 python3 tools/make_synthetic_rollouts.py --out "$R" "${SHAPE[@]}" | tee -a "$LOGS/rollouts.log"
+timeout 60 python3 tools/make_synthetic_rollouts.py --out "$R_REP" "${SHAPE[@]}" --replicate | tee -a "$LOGS/rollouts.log"
 COMMON=(--bf16 --micro-batch-size 1 --train-iters 4 --lr 1e-6 --seq-length 4096 --max-position-embeddings 40960
         --log-interval 1 --log-memory-interval 1 --seed 1234)
 TP2=(--model-size 8b --num-layers 4 --tensor-model-parallel-size 2 --sequence-parallel
