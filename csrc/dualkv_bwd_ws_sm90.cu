@@ -109,23 +109,37 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = w[4];
   const int n_iter = per_head * group;
 
-  // query tile i of a head: packed rows q0..qend (64 at most used), held from local row ql
+  // query tile i of a head: packed rows q0..qend (64 at most used), held from local row ql.
+  // The first two ranges (a key tile's own rows and its root's children: all of them for a
+  // whole micro-batch) are read once into registers rather than loaded every step (docs/PERF.md
+  // "CUDA local queries"); further ranges (local queries) are read when reached.
   const int4* ranges = reinterpret_cast<const int4*>(a.ranges);
+  const int4 g0 = rhi > rlo ? __ldg(ranges + rlo) : make_int4(0, 0, 0, 0);
+  const int4 g1 = rhi > rlo + 1 ? __ldg(ranges + rlo + 1) : make_int4(0, 0, 0, 0);
+  const int n0 = (g0.y - g0.x + kQTB - 1) / kQTB, n1 = (g1.y - g1.x + kQTB - 1) / kQTB;
   auto query_tile = [&](int i, int& q0, int& qend, int& ql, bool& causal) {
-    for (int r = rlo; r < rhi; ++r) {
-      const int4 g = __ldg(ranges + r);
-      const int n = (g.y - g.x + kQTB - 1) / kQTB;
-      if (i < n) {
-        q0 = g.x + i * kQTB;
-        qend = g.y;
-        ql = g.z + i * kQTB;
-        causal = g.w != 0;
-        return;
+    int4 g = g0;
+    if (i >= n0) {
+      i -= n0;
+      g = g1;
+      if (i >= n1) {
+        i -= n1;
+        g = make_int4(0, 0, 0, 0);
+        for (int r = rlo + 2; r < rhi; ++r) {
+          const int4 gr = __ldg(ranges + r);
+          const int n = (gr.y - gr.x + kQTB - 1) / kQTB;
+          if (i < n) {
+            g = gr;
+            break;
+          }
+          i -= n;
+        }
       }
-      i -= n;
     }
-    q0 = qend = ql = 0;
-    causal = false;
+    q0 = g.x + i * kQTB;
+    qend = g.y;
+    ql = g.z + i * kQTB;
+    causal = g.w != 0;
   };
 
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);

@@ -6,11 +6,14 @@
 #   bash tools/gpu_session_check.sh kernel        # ws smoke (fwd, bwd), kernel GPU tests, ws timings
 #                                                 # (CP_FLEX=1: also the compiled-Flex CP test)
 #   bash tools/gpu_session_check.sh integration   # demo, HF bf16 check, training A/B
-#   AB_LIBS="old=.gpu/final/_C.so new=.gpu/lq/_C.so" bash tools/gpu_session_check.sh ab
+#   AB_LIBS="old=.gpu/final/_C.so@.gpu/old_src new=.gpu/lq/_C.so" bash tools/gpu_session_check.sh ab
 #                                                 # before/after kernel timings: bench_kernel.py
 #                                                 # (cuda backend, 10 shapes) once per extension,
-#                                                 # alternating, in one device run ($AB_ENV: extra
-#                                                 # env per name, e.g. "new:MEGATRON_DUALKV_WS_DQ=tma")
+#                                                 # alternating, in one device run; "@DIR": run
+#                                                 # DIR's package and bench (an older checkout,
+#                                                 # e.g. `git archive REV megatron_dualkv tools`)
+#                                                 # ($AB_ENV: extra env per name, e.g.
+#                                                 # "new:MEGATRON_DUALKV_WS_DQ=tma")
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -55,10 +58,11 @@ if [ "$1" = ab ]; then
   # each extension in its own process (two libraries cannot register the same ops in one)
   for pass in 1 2; do
     for spec in $AB_LIBS; do
-      name=${spec%%=*}; lib=${spec#*=}
+      name=${spec%%=*}; lib=${spec#*=}; src=$PWD
+      case $lib in *@*) src=$PWD/${lib#*@}; lib=${lib%@*};; esac
       extra=$(for e in $AB_ENV; do [ "${e%%:*}" = "$name" ] && echo "${e#*:}"; done)
-      TAIL=16 step "bench_${name}_${pass}" 200 env MEGATRON_DUALKV_CUDA_LIB="$PWD/$lib" $extra python3 tools/bench_kernel.py \
-        --backends cuda --reps ${AB_REPS:-5} --warmup 2 --out "$OUT/bench_${name}_${pass}.md"
+      TAIL=16 step "bench_${name}_${pass}" 200 env MEGATRON_DUALKV_CUDA_LIB="$PWD/$lib" PYTHONPATH="$src:/tmp/site" $extra \
+        python3 "$src/tools/bench_kernel.py" --backends cuda --reps ${AB_REPS:-5} --warmup 2 --out "$OUT/bench_${name}_${pass}.md"
     done
     [ -n "$AB_ONE_PASS" ] && break
   done
