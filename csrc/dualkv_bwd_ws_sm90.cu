@@ -16,7 +16,9 @@
 //   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
 //     Per step: S^T = K Q^T, dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO,
 //     dK += dS^T Q (wgmma, register A), dQ += dS K (wgmma from a shared-memory copy of dS^T),
-//     added to the fp32 dQ buffer with float2 atomics. No CTA barrier: the consumers wait on
+//     added to the fp32 dQ buffer with float2 atomics, or (kTmaDQ, MEGATRON_DUALKV_WS_DQ=tma)
+//     written to a shared staging tile and added by one TMA reduce-add per 32-column half (see
+//     "dQ by TMA reduce-add" below). No CTA barrier: the consumers wait on
 //     mbarriers; the only consumer rendezvous is the dS^T exchange for dQ (D = 128: each
 //     consumer computes 64 of the 128 dQ columns over all 128 keys, so both halves of dS^T must
 //     be in shared memory: one 256-thread named barrier per step, dS^T double-buffered so the
@@ -30,6 +32,18 @@
 //     stores) + the Q/dO bytes; consumers wait for parity u & 1.
 //   empty[s]: 8 arrivals (lane 0 of each consumer warp) after the step's MMAs completed and its
 //     lse/delta were read; the producer waits for parity (u - 1) & 1 before refilling (i >= 3).
+//
+// dQ by TMA reduce-add (kTmaDQ): each consumer owns one fp32 staging tile (64 query rows x 64
+// dQ columns, 16 KB, two 32-column halves of 64 rows x 128 B, 128-byte swizzled like the tensor
+// map's box). Per step: every thread stores its dQ fragment (rows >= qend as zeros: the box
+// covers 64 rows), fence.proxy.async, named barrier 4 + cw (128 threads), then the consumer's
+// thread 0 issues two cp.reduce.async.bulk.tensor (add, fp32 from the tensor map) and commits
+// one bulk group. Reuse rule: before the next step's stores, thread 0 waits for that group's
+// smem reads (cp.async.bulk.wait_group.read 0) and then enters the step's dS^T barrier, which
+// every thread of the consumer passes before it stores again; the reads have a whole S/dP
+// MMA + softmax to finish, so the wait is expected to be free. The box starts at the tile's
+// local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA.
+// Before exiting, thread 0 waits for the writes too (wait_group 0).
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -38,6 +52,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <math.h>
+#include <cstdlib>
+#include <cstring>
 
 #include "dualkv_kernels.h"
 #include "dualkv_fwd_ws.h"
@@ -64,7 +80,7 @@ constexpr int kStagesB = 3;  // Q/dO/lse/delta ring depth
 constexpr int kThreadsB = 384;
 constexpr float kLog2eB = 1.4426950408889634f;
 
-template <typename T, int D>
+template <typename T, int D, bool kTmaDQ>
 struct BwdSmem {
   static constexpr int kTile = kQTB * D * (int)sizeof(T);
   static constexpr int kK = 0;
@@ -72,18 +88,38 @@ struct BwdSmem {
   static constexpr int kQ = kV + kKVB * D * (int)sizeof(T);
   static constexpr int kDO = kQ + kStagesB * kTile;
   static constexpr int kDS = kDO + kStagesB * kTile;                   // 2 x [kKVB x kQTB] (dS^T)
-  static constexpr int kL = kDS + 2 * kKVB * kQTB * (int)sizeof(T);    // [kStagesB][kQTB] lse
+  static constexpr int kStg = kDS + 2 * kKVB * kQTB * (int)sizeof(T);   // kTmaDQ: 2 x [2][kQTB][32] fp32
+  static constexpr int kStgBytes = kTmaDQ ? 2 * kQTB * 64 * (int)sizeof(float) : 0;
+  static constexpr int kL = kStg + kStgBytes;                           // [kStagesB][kQTB] lse
   static constexpr int kDl = kL + kStagesB * kQTB * (int)sizeof(float);  // [kStagesB][kQTB] delta
   static constexpr int kBar = kDl + kStagesB * kQTB * (int)sizeof(float);
   static constexpr int kBarCount = 1 + 2 * kStagesB;  // kv_full, q_full[], empty[]
   static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
+  static_assert(kStg % 1024 == 0, "the 128-byte swizzle of the dQ staging tile needs a 1024-aligned base");
+  static_assert(kBytes <= 227 * 1024, "shared memory of the ws backward exceeds the 227 KB an sm_90 CTA can have");
 };
 
-template <typename T, int D>
+// fp32 dQ tile of one consumer, 32 columns x 64 rows from shared memory added into the tensor map's
+// (c0, c1, c2) box; completes in the issuing thread's current bulk group
+__device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// the shared-memory sources of every committed bulk group have been read (may be overwritten)
+__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// every committed bulk group has completed (its global writes included)
+__device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+template <typename T, int D, bool kTmaDQ>
 __global__ void __launch_bounds__(kThreadsB, 1)
     dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                   const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do, DkvArgs a) {
-  using L = BwdSmem<T, D>;
+                   const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                   const __grid_constant__ CUtensorMap tm_dq, DkvArgs a) {
+  using L = BwdSmem<T, D, kTmaDQ>;
   extern __shared__ unsigned char smem_raw[];
   // 1024-aligned base as an offset from smem_raw (not through an integer cast), so the compiler
   // keeps the shared address space: LDS/STS for lse, delta and dS^T instead of generic LD/ST
@@ -95,6 +131,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   T* sdS = reinterpret_cast<T*>(base + L::kDS);
   float* sL = reinterpret_cast<float*>(base + L::kL);
   float* sDl = reinterpret_cast<float*>(base + L::kDl);
+  float* sStg = reinterpret_cast<float*>(base + L::kStg);  // kTmaDQ only
   const uint32_t bar0 = smem_addr(base + L::kBar);
   const uint32_t kv_full = bar0;
   auto q_full = [&](int s) { return bar0 + 8u * (1 + s); };
@@ -207,6 +244,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int krow_a = k0 + cw * 64 + warp * 16 + (lane >> 2);  // key rows krow_a, krow_a + 8
   const float sl2 = a.scale_log2;
   const bool tile_short = k1 < k0 + kKVB;  // rows k1.. of sK / sV belong to another segment
+  const bool dq_issuer = kTmaDQ && warp == 0 && lane == 0;  // issues this consumer's dQ reduces
+  if (dq_issuer) prefetch_map(&tm_dq);
 
   float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -284,6 +323,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         *reinterpret_cast<uint32_t*>(cdS + poff<kKVB>(r, j) + (lane & 3) * 2) = da[j >> 1][(j & 1) * 2 + hh];
       }
     fence_proxy_async();
+    // staging reuse: the previous step's dQ reduce has read the staging tile before any thread of
+    // this consumer passes the barrier below and stores this step's dQ into it
+    if (dq_issuer) bulk_wait_read0();
     if (D == 128)
       named_sync(1, 256);       // both halves of dS^T written
     else
@@ -327,18 +369,44 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     reg_fence(dq);
     if (lane == 0) mbar_arrive(empty(st));  // Q, dO, lse, delta of this stage are no longer read
 
-    float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
+    if constexpr (kTmaDQ) {
+      // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
+      float* stg = sStg + cw * kQTB * 64;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = warp * 16 + (lane >> 2) + hh * 8;
-      if (q0 + r < qend) {
-        float* rp = acc + (long)(ql + r) * a.hq * D + (lane & 3) * 2;
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp * 16 + (lane >> 2) + hh * 8;
+        const bool keep = q0 + r < qend;  // the box adds all 64 rows: zeros past the range
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
+        for (int j = 0; j < 8; ++j) {
+          const int chunk = ((j & 3) * 2 + ((lane & 3) >> 1)) ^ (r & 7);
+          float* dst = stg + (j >> 2) * kQTB * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
+          *reinterpret_cast<float2*>(dst) =
+              keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
+        }
+      }
+      fence_proxy_async();       // the generic-proxy stores before the TMA (async proxy) reads them
+      named_sync(4 + cw, 128);   // the whole tile is stored
+      if (dq_issuer) {
+        const int c0 = D == 128 ? cw * 64 : 0;
+        tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, ql);  // local rows ql.. of dq_acc
+        tma_reduce_add(&tm_dq, smem_addr(stg + kQTB * 32), c0 + 32, h, ql);
+        bulk_commit();
+      }
+    } else {
+      float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp * 16 + (lane >> 2) + hh * 8;
+        if (q0 + r < qend) {
+          float* rp = acc + (long)(ql + r) * a.hq * D + (lane & 3) * 2;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
+        }
       }
     }
   }
+  if (dq_issuer) bulk_wait0();  // the last reduces have read the staging tile and written dq_acc
 
   const long ks = (long)a.hkv * D;
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
@@ -357,37 +425,66 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   }
 }
 
-template <typename T, int D>
+// dq_acc fp32 [Tq, hq, D] as (D, hq, Tq); box = 32 columns (128 B, the swizzle span) x 1 head x 64 rows
+static bool make_dq_map(CUtensorMap* map, float* dq_acc, int d, int hq, int Tq) {
+  auto fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)hq, (cuuint64_t)Tq};
+  const cuuint64_t strides[2] = {(cuuint64_t)d * sizeof(float), (cuuint64_t)hq * d * sizeof(float)};
+  const cuuint32_t box[3] = {32, 1, (cuuint32_t)kQTB};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_acc, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int D, bool kTmaDQ>
 static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
                             cudaStream_t stream) {
-  using L = BwdSmem<T, D>;
+  using L = BwdSmem<T, D, kTmaDQ>;
   if (ka.dq_acc == nullptr) return cudaErrorInvalidValue;  // fast mode only
   cudaError_t e = launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
-  auto k = dkdv_ws_kernel<T, D>;
+  auto k = dkdv_ws_kernel<T, D, kTmaDQ>;
   e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (ka.num_items == 0 || ka.T == 0 || ka.Tq == 0) return cudaSuccess;
-  CUtensorMap mk, mv, mq, mdo;
+  CUtensorMap mk, mv, mq, mdo, mdq = {};  // mdq: read only by the kTmaDQ kernel
   const int es = (int)sizeof(T);
   if (!make_map(&mk, ka.k, dt, D, ka.hkv, ka.T, kKVB, es) || !make_map(&mv, ka.v, dt, D, ka.hkv, ka.T, kKVB, es) ||
-      !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, kQTB, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, kQTB, es))
+      !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, kQTB, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, kQTB, es) ||
+      (kTmaDQ && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq)))
     return cudaErrorInvalidResourceHandle;
-  k<<<(unsigned)ka.num_items * ka.hkv, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, ka);
+  k<<<(unsigned)ka.num_items * ka.hkv, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
+                               cudaStream_t stream) {
+  const int mode = ws_dq_mode_from_env();
+  if (mode < 0) return cudaErrorInvalidValue;  // the op checks the variable first, with a clear message
+  return mode == 1 ? bwd_ws_t<T, D, true>(da, ka, dtype, dt, stream) : bwd_ws_t<T, D, false>(da, ka, dtype, dt, stream);
 }
 
 }  // namespace sm90ws
 
+int ws_dq_mode_from_env() {
+  const char* m = std::getenv("MEGATRON_DUALKV_WS_DQ");
+  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "atomic") == 0) return 0;
+  if (std::strcmp(m, "tma") == 0) return 1;
+  return -1;
+}
+
 cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream) {
   if (dtype == kBF16 && d == 128)
-    return sm90ws::bwd_ws_t<__nv_bfloat16, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+    return sm90ws::bwd_ws_mode<__nv_bfloat16, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
   if (dtype == kBF16 && d == 64)
-    return sm90ws::bwd_ws_t<__nv_bfloat16, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+    return sm90ws::bwd_ws_mode<__nv_bfloat16, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
   if (dtype == kFP16 && d == 128)
-    return sm90ws::bwd_ws_t<__half, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+    return sm90ws::bwd_ws_mode<__half, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
   if (dtype == kFP16 && d == 64)
-    return sm90ws::bwd_ws_t<__half, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+    return sm90ws::bwd_ws_mode<__half, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
   return cudaErrorInvalidValue;
 }
 

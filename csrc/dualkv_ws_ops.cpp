@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "dualkv_fwd_ws.h"
 
@@ -88,6 +89,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(
   TORCH_CHECK(!deterministic,
               "megatron_dualkv: the ws backward has no deterministic mode (dQ by atomics); use bwd_sm90 for it");
   check_ws_inputs(q, k, v);
+  TORCH_CHECK(mdkv::ws_dq_mode_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_WS_DQ must be 'atomic' or 'tma', got '",
+              std::getenv("MEGATRON_DUALKV_WS_DQ"), "'");
   check_work_ws(kv_work, q, "kv_work");
   check_work_ws(kv_ranges, q, "kv_ranges");
   TORCH_CHECK(kv_work.size(1) == 8 && kv_ranges.size(1) == 4,

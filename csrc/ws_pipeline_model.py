@@ -1,7 +1,7 @@
 """Host model of the synchronization protocols of csrc/dualkv_fwd_ws_sm90.cu and
 csrc/dualkv_bwd_ws_sm90.cu (no GPU needed).
 
-    python csrc/ws_pipeline_model.py        (about a minute; prints "ok")
+    python csrc/ws_pipeline_model.py        (about 15 s; prints the caught mutations, then "ok")
 
 For each kernel the producer and the two consumer warpgroups are replayed step for step (the same waits,
 arrivals and MMA issue/wait order as the kernel, a warpgroup modelled as one agent) under random
@@ -9,8 +9,11 @@ interleavings, with TMA completions and wgmma-group completions at random later 
 follow PTX semantics (arrival count + transaction bytes, phases, try_wait.parity); named barriers
 count the other warpgroup's arrivals. Checked: no deadlock, every MMA reads the stage holding
 the tile it wants, no TMA write lands in a stage an MMA still reads, one phase never mixes two
-tiles' arrivals, and no named-barrier arrival is left over. It models the protocol, not the
-kernel: change both together.
+tiles' arrivals, and no named-barrier arrival is left over. The backward model splits each
+consumer into thread 0 and the other 127 threads and covers both dQ modes (atomics; TMA
+reduce-add through a staging tile, MEGATRON_DUALKV_WS_DQ=tma), with mutations of the staging
+protocol that it must catch (BWD_MUTATIONS). It models the protocol, not the kernel: change both
+together.
 """
 import random, sys
 
@@ -109,19 +112,49 @@ def run(n, seed):
     assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
     return steps
 
-def run_bwd(n, seed, d128=True):
+class NBar:
+    """Named barrier (bar.sync) of `parties` agents, counted by generations."""
+    def __init__(s, parties): s.parties, s.n, s.gen = parties, 0, 0
+    def sync(s):
+        g = s.gen; s.n += 1
+        if s.n == s.parties: s.n = 0; s.gen += 1
+        while s.gen == g: yield
+
+
+BWD_MUTATIONS = {   # mutation -> what the kernel would do wrong (each must make run_bwd fail)
+    "no_read_wait": "dQ staging: thread 0 never waits for the previous reduce's smem read",
+    "read_wait_after_ds_barrier": "dQ staging: thread 0 waits for the read only after the dS^T barrier",
+    "no_staging_barrier": "dQ staging: the reduce is issued without barrier 4 + cw after the stores",
+    "no_final_wait": "dQ staging: the CTA exits with a reduce still in flight",
+}
+
+
+def run_bwd(n, seed, d128=True, tma_dq=False, mutation=None):
     """The ws backward (csrc/dualkv_bwd_ws_sm90.cu): a Q/dO/lse/delta ring of S stages, K/V once,
-    dS^T exchanged through a double buffer (D = 128: 256-thread barrier; D = 64: own half only)."""
+    dS^T exchanged through a double buffer (D = 128: 256-thread barrier; D = 64: own half only).
+    Each consumer warpgroup is two agents: "e" (thread 0: lane 0 of warp 0, which issues the dQ
+    reduces) and "r" (the other 127 threads); wgmma is warp-synchronous only, so each agent issues
+    and waits for its own part of every MMA (no rendezvous between them). tma_dq: dQ goes through
+    the consumer's staging tile and a TMA reduce whose smem read and global write complete at
+    random later times; checked: no store into the staging tile while a reduce still reads it, a
+    reduce reads the current step's tile from both agents, nothing in flight when the CTA exits."""
+    assert mutation is None or mutation in BWD_MUTATIONS
     rnd = random.Random(seed)
     kv_full = MBar(1)
     qf = [MBar(2) for _ in range(S)]   # producer lane 0 (expect_tx) + the lanes' lse/delta arrival
-    em = [MBar(2) for _ in range(S)]
+    em = [MBar(4) for _ in range(S)]   # per consumer: lane 0 of warp 0 (agent e) + warps 1-3 (agent r)
     stage = [None] * S
     readers = [set() for _ in range(S)]
-    ds = [[None, None], [None, None]]           # ds[buffer][half] = step written
-    ds_readers = [[set(), set()], [set(), set()]]   # ds_readers[buffer][half]: (wg, step) MMAs reading it
-    tma, mma = [], {0: [], 1: []}
-    bar = {"n": 0, "gen": 0}                    # 256-thread named barrier as a generation counter
+    ds = [[{}, {}], [{}, {}]]                   # ds[buffer][half][agent] = step written
+    ds_readers = [[set(), set()], [set(), set()]]   # ds_readers[buffer][half]: MMA parts reading it
+    stg = [{}, {}]                              # stg[wg][agent] = step whose dQ part is stored
+    stg_reads = [[], []]                        # per WG: steps whose reduce has not read stg yet
+    stg_writes = [[], []]                       # per WG: steps whose reduce has not written dq_acc yet
+    tma, mma = [], {}
+    ds_bar = NBar(4) if d128 else None          # id 1, 256 threads (both consumers)
+    own_bar = [NBar(2), NBar(2)]                # ids 2 + cw (D = 64 dS^T), 128 threads
+    stg_bar = [NBar(2), NBar(2)]                # ids 4 + cw, 128 threads
+    exited = set()
     def producer():
         kv_full.arrive(tx=1); tma.append((None, None, kv_full))
         for i in range(n):
@@ -131,35 +164,56 @@ def run_bwd(n, seed, d128=True):
             qf[st].arrive(tx=1); tma.append((st, i, qf[st]))
             yield
             qf[st].arrive()   # the lanes' lse/delta stores, released by their arrival
-    def barrier():
-        g = bar["gen"]; bar["n"] += 1
-        if bar["n"] == 2: bar["n"] = 0; bar["gen"] += 1
-        while bar["gen"] == g: yield
-    def consumer(w):
+    def mma_wait(me):
+        while mma.get(me): yield
+    def consumer(w, ag):
+        me = (w, ag)
         while not kv_full.done(0): yield
         for i in range(n):
             st, b = i % S, i & 1
             while not qf[st].done((i // S) & 1): yield
-            assert stage[st] == i, f"WG{w} step {i} reads stage {st} holding {stage[st]}"
-            readers[st].add((w, i)); mma[w].append(("st", st, i))
-            while mma[w]: yield
-            assert not ds_readers[b][w], f"WG{w} step {i} overwrites dS half {w} of buffer {b} under {ds_readers[b][w]}"
-            ds[b][w] = i
-            if d128:
-                yield from barrier()
+            assert stage[st] == i, f"WG{w}{ag} step {i} reads stage {st} holding {stage[st]}"
+            readers[st].add((me, i)); mma.setdefault(me, []).append(("st", st, i))
+            yield from mma_wait(me)
+            assert not ds_readers[b][w], f"WG{w}{ag} step {i} overwrites dS half {w} of buffer {b} under {ds_readers[b][w]}"
+            ds[b][w][ag] = i
+            yield
+            wait_read = tma_dq and ag == "e" and mutation != "no_read_wait"
+            if wait_read and mutation != "read_wait_after_ds_barrier":
+                while stg_reads[w]: yield   # cp.async.bulk.wait_group.read 0
+            yield from (ds_bar.sync() if d128 else own_bar[w].sync())
+            if wait_read and mutation == "read_wait_after_ds_barrier":
+                while stg_reads[w]: yield
             halves = (0, 1) if d128 else (w,)
             for hlf in halves:
-                assert ds[b][hlf] == i, f"WG{w} step {i} reads dS half {hlf} of step {ds[b][hlf]}"
-            readers[st].add((w, i)); mma[w].append(("st+ds", st, i))
+                assert all(ds[b][hlf].get(a) == i for a in "er"), f"WG{w}{ag} step {i} reads dS half {hlf} holding {ds[b][hlf]}"
+            readers[st].add((me, i)); mma[me].append(("st+ds", st, i))
             for hlf in halves:
-                ds_readers[b][hlf].add((w, i))
-            while mma[w]: yield
+                ds_readers[b][hlf].add((me, i))
+            yield from mma_wait(me)
             em[st].arrive()
-    agents = {"P": producer(), "C0": consumer(0), "C1": consumer(1)}
+            if tma_dq:
+                assert not stg_reads[w], f"WG{w}{ag} step {i} stores dQ into the staging tile still read by the reduce of step {stg_reads[w]}"
+                stg[w][ag] = i
+                yield
+                if mutation != "no_staging_barrier":
+                    yield from stg_bar[w].sync()
+                if ag == "e":
+                    assert all(stg[w].get(a) == i for a in "er"), f"WG{w} reduce of step {i} reads a staging tile holding {stg[w]}"
+                    stg_reads[w].append(i); stg_writes[w].append(i)
+        if tma_dq and ag == "e" and mutation != "no_final_wait":
+            while stg_reads[w] or stg_writes[w]: yield   # cp.async.bulk.wait_group 0
+        exited.add(me)
+        if len(exited) == 4:   # the CTA's shared memory is released
+            assert not any(stg_reads) and not any(stg_writes), f"CTA exits with reduces in flight: reads {stg_reads}, writes {stg_writes}"
+    agents = {"P": producer()}
+    for w in (0, 1):
+        for ag in "er":
+            agents[f"C{w}{ag}"] = consumer(w, ag)
     live, steps = set(agents), 0
-    while live or tma or mma[0] or mma[1]:
+    while live or tma or any(mma.values()) or any(stg_reads) or any(stg_writes):
         steps += 1
-        assert steps < 200000, "deadlock"
+        assert steps < 400000, "deadlock"
         choice = rnd.random()
         if tma and choice < 0.2:
             st, i, mb = tma.pop(rnd.randrange(len(tma)))
@@ -168,12 +222,21 @@ def run_bwd(n, seed, d128=True):
                 stage[st] = i
             mb.complete_tx(1); continue
         w = rnd.randrange(2)
-        if mma[w] and choice < 0.4:
-            kind, st, i = mma[w].pop(0)
-            readers[st].discard((w, i))
+        if choice < 0.3 and (stg_reads[w] or stg_writes[w]):
+            # bulk groups complete in order; a reduce writes dq_acc only after reading its tile
+            write_ok = stg_writes[w] and (not stg_reads[w] or stg_writes[w][0] < stg_reads[w][0])
+            if write_ok and (not stg_reads[w] or rnd.random() < 0.5):
+                stg_writes[w].pop(0)
+            else:
+                stg_reads[w].pop(0)
+            continue
+        me = (w, rnd.choice("er"))
+        if mma.get(me) and choice < 0.45:
+            kind, st, i = mma[me].pop(0)
+            readers[st].discard((me, i))
             if kind == "st+ds":
                 for hlf in (0, 1):
-                    ds_readers[i & 1][hlf].discard((w, i))
+                    ds_readers[i & 1][hlf].discard((me, i))
             continue
         if not live: continue
         a_ = rnd.choice(sorted(live))
@@ -182,10 +245,30 @@ def run_bwd(n, seed, d128=True):
     return steps
 
 
+def check_bwd_mutations(seeds=300):
+    """Each mutation of BWD_MUTATIONS must fail run_bwd on some seed (else the model checks nothing)."""
+    for m, what in BWD_MUTATIONS.items():
+        caught = None
+        for seed in range(seeds):
+            for n in (1, 2, 3, 7):
+                for d128 in (True, False):
+                    try:
+                        run_bwd(n, seed, d128, tma_dq=True, mutation=m)
+                    except AssertionError as e:
+                        caught = f"{e}"
+                        break
+                if caught: break
+            if caught: break
+        assert caught, f"mutation {m} ({what}) not caught"
+        print(f"mutation caught: {m} ({what}): {caught}")
+
+
 if __name__ == "__main__":
     for n in list(range(1, 12)) + [40]:
         for seed in range(300):
             run(n, seed)
-            run_bwd(n, seed, d128=True)
-            run_bwd(n, seed, d128=False)
+            for tma_dq in (False, True):
+                run_bwd(n, seed, d128=True, tma_dq=tma_dq)
+                run_bwd(n, seed, d128=False, tma_dq=tma_dq)
+    check_bwd_mutations()
     print("ok")

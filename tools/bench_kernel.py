@@ -22,6 +22,7 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
   python tools/bench_kernel.py                       # all shapes, default backends
   python tools/bench_kernel.py --quick --out perf.md # ~2 minutes on an H100
   python tools/bench_kernel.py --shapes 28x32768x2048,16x65536x1024 --backends flex-triton,sdpa-cudnn
+  python tools/bench_kernel.py --backends cuda --ws-dq-ab   # ws backward: dQ by atomics vs TMA reduce-add
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def run_packed(name, shape, warmup, reps, state):
     scale = 1.0 / math.sqrt(D)
     notes = []
 
-    if name == "cuda":
+    if name == "cuda" or name.startswith("cuda[dq="):
         try:
             from megatron_dualkv.ops import cuda_backend
         except ImportError as exc:
@@ -167,6 +168,22 @@ def run_packed(name, shape, warmup, reps, state):
     else:
         raise ValueError(name)
 
+    # cuda[dq=MODE] (--ws-dq-ab): the ws backward's dQ path, read by the extension at every launch
+    dq_mode = name[len("cuda[dq="):-1] if name.startswith("cuda[dq=") else None
+    saved_dq = os.environ.get("MEGATRON_DUALKV_WS_DQ")
+    if dq_mode:
+        os.environ["MEGATRON_DUALKV_WS_DQ"] = dq_mode
+    try:
+        return _time_packed(name, fwd, (q, k, v), dout, warmup, reps, state, shape, notes)
+    finally:
+        if dq_mode:
+            if saved_dq is None:
+                os.environ.pop("MEGATRON_DUALKV_WS_DQ", None)
+            else:
+                os.environ["MEGATRON_DUALKV_WS_DQ"] = saved_dq
+
+
+def _time_packed(name, fwd, inputs, dout, warmup, reps, state, shape, notes):
     # first call: compilation (flex) / first launch; recompiles show in the graph counter
     from torch._dynamo.utils import counters
 
@@ -174,7 +191,7 @@ def run_packed(name, shape, warmup, reps, state):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fwd()
-    torch.autograd.grad(out, (q, k, v), dout)
+    torch.autograd.grad(out, inputs, dout)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     del out
@@ -182,7 +199,7 @@ def run_packed(name, shape, warmup, reps, state):
     if name.startswith("flex"):
         notes.append(f"1st call {first:.1f} s, {new_graphs} new graph(s)")
         state.setdefault("compiles", []).append((name, shape, first, new_graphs))
-    f, b, fb, peak = time_fwd_bwd(fwd, (q, k, v), dout, warmup, reps)
+    f, b, fb, peak = time_fwd_bwd(fwd, inputs, dout, warmup, reps)
     return dict(fwd=f, bwd=b, fb=fb, peak=peak, notes=notes)
 
 
@@ -290,6 +307,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, help="untimed runs before timing (default 3, quick 2; replicated SDPA: 1)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
     ap.add_argument("--out", help="also write the markdown table (with device, versions, command) here")
+    ap.add_argument("--ws-dq-ab", action="store_true",
+                    help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
+                         "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -299,6 +319,8 @@ def main(argv=None):
     for b in backends:
         if b not in ALL_BACKENDS:
             raise SystemExit(f"--backends: unknown {b!r}; choose from {ALL_BACKENDS}")
+    if args.ws_dq_ab:
+        backends = [x for b in backends for x in (["cuda[dq=atomic]", "cuda[dq=tma]"] if b == "cuda" else [b])]
     reps = args.reps or (5 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
 
