@@ -17,7 +17,7 @@ Shims (why each is needed):
 
 Multi-process layer (below `destroy_cpu_megatron`): the same shims as context managers that restore
 what they patch (`megatron_cpu_shims`), plus a torch-function mode for literal device="cuda"
-placements (schedules, DDP, optimizer), a sequence-parallel-capable torch norm, `model_parallel()`
+placements (schedules, DDP, optimizer), `model_parallel()`
 (initialise/destroy per test) and `GlooWorkers`, a launcher that runs a test function on N spawned
 gloo ranks with a timeout and re-raises worker failures in pytest with their tracebacks.
 docs/TESTING.md says why each shim exists.
@@ -291,56 +291,11 @@ def cuda_runtime_as_cpu() -> Iterator[None]:
         yield
 
 
-class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm whose weight is flagged for sequence parallelism.
-
-    Under sequence parallelism each TP rank normalises a slice of the tokens, so its weight
-    gradient is partial; Megatron's finalize_model_grads sums the gradients of parameters marked
-    `sequence_parallel` over the TP group. That flag is all a norm needs to be SP-capable."""
-
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool):
-        super().__init__(normalized_shape=hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", sequence_parallel)
-
-
-class _SequenceParallelLayerNorm(torch.nn.LayerNorm):
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool):
-        super().__init__(normalized_shape=hidden_size, eps=eps)
-        for p in self.parameters():
-            setattr(p, "sequence_parallel", sequence_parallel)
-
-
-@contextlib.contextmanager
-def sequence_parallel_torch_norm() -> Iterator[None]:
-    """Let Megatron's torch-norm fallback (`WrappedTorchNorm`, used by the local spec without apex)
-    build sequence-parallel-capable norms; stock, it asserts `not config.sequence_parallel`.
-
-    Patching the class that the specs name (rather than the specs) reaches every norm of any model
-    built from the local spec, ours included. Without sequence parallelism it builds exactly what
-    the stock class builds."""
-    from megatron.core.transformer import torch_norm
-
-    stock_new = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
-        if not config.sequence_parallel:
-            return stock_new(cls, config, hidden_size, eps, *args, **kwargs)
-        if config.normalization == "RMSNorm":
-            return _SequenceParallelRMSNorm(hidden_size, eps, True)
-        if config.normalization == "LayerNorm":
-            return _SequenceParallelLayerNorm(hidden_size, eps, True)
-        raise ValueError(f"no sequence-parallel test norm for normalization={config.normalization!r}")
-
-    with _patched(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new)):
-        yield
-
-
 @contextlib.contextmanager
 def megatron_cpu_shims() -> Iterator[None]:
     """All process-local shims at once (enter after torch.distributed is initialised)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_runtime_as_cpu())
-        stack.enter_context(sequence_parallel_torch_norm())
         stack.enter_context(all_to_all_split_sizes_as_lists())
         stack.enter_context(uneven_collectives_on_gloo())
         stack.enter_context(cuda_rng_state_on_cpu())

@@ -9,6 +9,9 @@ Each layer is exactly Megatron's (local or Transformer Engine) GPT layer, with
 replaced by `DualKVTopKRouter`; nothing else changes, so parameters and state_dict keys are the
 stock model's. qk-layernorm (Qwen3) and RMSNorm come from the config like in Megatron.
 `get_replicated_decoder_block_spec` is the matching stock spec (the baseline for tests).
+Local specs (no TE) name `SequenceParallelTorchNorm` where Megatron's name its torch-norm
+fallback, so tensor parallelism with sequence parallelism runs without TE or apex (norms.py);
+without sequence parallelism the norms are the stock ones.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .core_attention import DualKVCoreAttention
+from .norms import with_sequence_parallel_norms
 from .router import DualKVTopKRouter
 
 
@@ -83,10 +87,10 @@ def get_dualkv_layer_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm
         )
     else:
-        stock = get_gpt_layer_local_spec(
+        stock = with_sequence_parallel_norms(get_gpt_layer_local_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
             normalization=normalization,
-        )
+        ))
     return dualkv_layer_spec_from(stock, attention_backend)
 
 
@@ -97,13 +101,11 @@ def get_replicated_decoder_block_spec(
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
     """Megatron's stock GPT block spec for `config` (dense or MoE per config.moe_layer_freq)."""
-    return get_gpt_decoder_block_spec(
-        config,
-        use_transformer_engine=_resolve_te(use_transformer_engine),
-        normalization=config.normalization,
-        vp_stage=vp_stage,
-        pp_rank=pp_rank,
+    te = _resolve_te(use_transformer_engine)
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage, pp_rank=pp_rank,
     )
+    return block if te else with_sequence_parallel_norms(block)
 
 
 def get_dualkv_decoder_block_spec(

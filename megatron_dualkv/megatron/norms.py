@@ -1,0 +1,59 @@
+"""Sequence-parallel-capable torch norms for Megatron's local spec (no Transformer Engine, no apex).
+
+Megatron's torch-norm fallback (`WrappedTorchNorm`) refuses sequence parallelism, although the only
+thing a norm needs for it is what TE's norms do: flag its parameters `sequence_parallel`, so that
+`finalize_model_grads` sums their partial gradients (each TP rank normalised a slice of the
+tokens) over the TP group. `SequenceParallelTorchNorm` is that fallback with the flag; without
+sequence parallelism it builds exactly what `WrappedTorchNorm` builds. `with_sequence_parallel_norms`
+swaps it into a layer or block spec wherever the spec names `WrappedTorchNorm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+
+class SequenceParallelTorchNorm:
+    """torch LayerNorm / RMSNorm (per config.normalization) usable under sequence parallelism."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return WrappedTorchNorm(config, hidden_size, eps, *args, **kwargs)
+        if config.normalization not in _NORMS:
+            raise ValueError(f"sequence parallelism without Transformer Engine or apex supports normalization "
+                             f"{sorted(_NORMS)}, got {config.normalization!r}")
+        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+            if getattr(config, flag, False):
+                raise ValueError(f"{flag} is not supported by torch norms (install Transformer Engine)")
+        norm = _NORMS[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True  # finalize_model_grads: sum the partial grads over TP
+        return norm
+
+
+def with_sequence_parallel_norms(spec):
+    """A copy of a spec (ModuleSpec, submodules dataclass, partial, list) with every
+    `WrappedTorchNorm` replaced by `SequenceParallelTorchNorm`; anything else is kept as is."""
+    if spec is WrappedTorchNorm:
+        return SequenceParallelTorchNorm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=with_sequence_parallel_norms(spec.module),
+                                   submodules=with_sequence_parallel_norms(spec.submodules))
+    if isinstance(spec, functools.partial):
+        return functools.partial(with_sequence_parallel_norms(spec.func), *spec.args,
+                                 **{k: with_sequence_parallel_norms(v) for k, v in spec.keywords.items()})
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(with_sequence_parallel_norms(s) for s in spec)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: with_sequence_parallel_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)
+                   if f.init}
+        return dataclasses.replace(spec, **changes)
+    return spec
