@@ -24,7 +24,8 @@
 #   bash tools/gpu_multi_check.sh           # everything (~6-7 min expected, BUDGET_S caps it)
 #   bash tools/gpu_multi_check.sh table     # only rebuild the table from the logs in $LOGS
 # Environment: OUT (/tmp/out), LOGS (/tmp/multi_gpu_logs), BUDGET_S (450 s for the steps),
-# CP_BACKEND (auto | cuda | flex), MEGATRON_DUALKV_CUDA_LIB (see above),
+# CP_BACKEND (auto | cuda | flex), MEGATRON_DUALKV_CUDA_LIB (see above), ONLY (a bash regex: run
+# only the steps whose name matches, e.g. ONLY='^tp2_'; the others leave no row),
 # TORCHRUN (launcher of 2 local ranks; default: python3 -m torch.distributed.run --standalone).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -317,6 +318,7 @@ snapshot() {  # the logs so far, in one file ($OUT brings back at most 8 files)
 
 step() {  # step NAME MAX_S MIN_S CMD... : skipped when less than MIN_S of the budget is left
   local name=$1 max=$2 min=$3; shift 3
+  if [ -n "$ONLY" ] && ! [[ $name =~ $ONLY ]]; then LAST_RC=0; return; fi  # not selected: no trace
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
   if (( left < min )); then
     echo "=== $name skipped: ${left}s of the ${BUDGET_S}s budget left, needs ${min}s"
