@@ -188,10 +188,12 @@ def topk_margin(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def routing_diagnostic(hf_log: RouterLog, mg_log: RouterLog, layout, groups, err: torch.Tensor, top_k: int,
-                       err_threshold: float = 1e-2, max_rows: int = 10) -> None:
+                       err_threshold: float = 1e-2, max_rows: int = 10) -> torch.Tensor:
     """Compares the top-k expert sets of the two float32 models at every position of every
     [prompt | response] sequence (packed rows mapped back through the layout's segments) and ties
-    the large logprob errors to routing differences at the scored position or before it."""
+    the large logprob errors to routing differences at the scored position or before it.
+    Returns bool [scored tokens] (err's order): True where no layer routed differently at the
+    token or before it in its sequence (there the two models computed the same function)."""
     layers = sorted(hf_log.chosen)
     if sorted(mg_log.chosen) != layers:
         raise ValueError(f"MoE layers differ: transformers {layers}, Megatron {sorted(mg_log.chosen)}")
@@ -263,6 +265,7 @@ def routing_diagnostic(hf_log: RouterLog, mg_log: RouterLog, layout, groups, err
         for ri, response in enumerate(group.responses):
             offsets.extend((len(labels), len(group.prompt) - 1 + t) for t in range(len(response)))
             labels.append(f"{group.label(g)} response {ri}")
+    clean = torch.tensor([not bool(seq_diff[s][:q + 1].any()) for s, q in offsets], dtype=torch.bool)
     big = (err.abs() > err_threshold).nonzero()[:, 0].tolist()
     counts = {"at the token": 0, "only at an earlier token": 0, "none at or before the token": 0}
     rows_out = []
@@ -292,6 +295,7 @@ def routing_diagnostic(hf_log: RouterLog, mg_log: RouterLog, layout, groups, err
             where = "-" if earliest is None else f"{earliest} ({layer})"
             print(f"| {a:.3e} | {labels[s]} | {q} | {kind} | {where} |")
     print()
+    return clean
 
 
 @torch.no_grad()
@@ -399,12 +403,26 @@ def main(argv=None) -> int:
         results[(name, dtype)] = (mx, mean, p999)
         print(f"| {name} | {dtype} | {attn} | {mx:.3e} | {mean:.3e} | {p999:.3e} |")
     print()
-    ok32 = results[("DualKV Megatron", "float32")][0] <= args.fp32_tol
+    max32 = results[("DualKV Megatron", "float32")][0]
     d16, h16 = results[("DualKV Megatron", "bfloat16")], results[("transformers", "bfloat16")]
     ok16 = d16[1] <= h16[1] * (1 + args.slack) and d16[2] <= h16[2] * (1 + args.slack)
+    what = "max"
     if args.moe:
-        routing_diagnostic(hf_routes, mg_routes, layout, groups, lp32 - ref, shape["num_experts_per_tok"])
-    print(f"DualKV float32 vs reference: {'OK' if ok32 else 'FAIL'} (max {results[('DualKV Megatron', 'float32')][0]:.2e})")
+        # A top-k choice on a near tie (margins down to 1e-7 were seen) flips with float32 summation
+        # order, and from there the two models compute different functions for the rest of the
+        # sequence. The float32 contract is therefore checked where both routed identically at and
+        # before the token; the diagnostic above shows what the flipped tokens are.
+        clean = routing_diagnostic(hf_routes, mg_routes, layout, groups, lp32 - ref, shape["num_experts_per_tok"])
+        err = (lp32 - ref).abs().cpu()
+        print(f"float32 tokens routed identically at and before the token: {int(clean.sum())} of {clean.numel()}; "
+              f"their max |logprob error| {err[clean].max().item() if clean.any() else float('nan'):.2e} "
+              f"(all tokens: {max32:.2e})")
+        if clean.float().mean() < 0.5:
+            print("fewer than half of the tokens are routed identically: the float32 check says little")
+        max32 = err[clean].max().item() if clean.any() else float("inf")
+        what = "max over identically routed tokens"
+    ok32 = max32 <= args.fp32_tol
+    print(f"DualKV float32 vs reference: {'OK' if ok32 else 'FAIL'} ({what} {max32:.2e}, allowed {args.fp32_tol:g})")
     print(f"DualKV bf16 error / transformers bf16 error: mean {d16[1] / h16[1]:.3f}, p99.9 {d16[2] / h16[2]:.3f} "
           f"-> {'OK' if ok16 else 'FAIL'} (allowed <= {1 + args.slack:.2f})")
     return 0 if ok32 and ok16 else 1
