@@ -20,9 +20,9 @@ namespace mdkv {
 // dlse, then the dK/dV kernel that also adds unscaled dQ into ka.dq_acc (fp32 [T, Hq, D], zeroed
 // by the caller; required: returns cudaErrorInvalidValue when null). kv items of 128-row key tiles.
 cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream);
-// How that kernel adds dQ, from MEGATRON_DUALKV_WS_DQ (read at every launch): 0 = "atomic" (unset or
-// empty too: per-thread float2 atomics), 1 = "tma" (one TMA reduce-add per 64-row tile half), -1 = any
-// other value (launch_bwd_ws_sm90 then returns cudaErrorInvalidValue).
+// How that kernel adds dQ, from MEGATRON_DUALKV_WS_DQ (read at every launch): 1 = "tma" (unset or
+// empty too: one TMA reduce-add per 32-column half of a 64-row tile), 0 = "atomic" (per-thread
+// float2 atomics), -1 = any other value (launch_bwd_ws_sm90 then returns cudaErrorInvalidValue).
 int ws_dq_mode_from_env();
 
 }  // namespace mdkv

@@ -20,7 +20,7 @@
 #     --replicate (exactly the replicated batch on the same DualKV kernel: the same-kernel A/B).
 #
 # Usage on the device machine, repo root, carrying .whl (megatron-core wheel) and the CUDA extension
-# built from this checkout (.gpu/lq/_C.so, else .gpu/final/_C.so, or $MEGATRON_DUALKV_CUDA_LIB):
+# built from this checkout (.gpu/final/_C.so, or $MEGATRON_DUALKV_CUDA_LIB):
 #   bash tools/gpu_multi_check.sh           # everything (~6-7 min expected, BUDGET_S caps it)
 #   bash tools/gpu_multi_check.sh table     # only rebuild the table from the logs in $LOGS
 # Environment: OUT (/tmp/out), LOGS (/tmp/multi_gpu_logs), BUDGET_S (450 s for the steps),
@@ -36,13 +36,9 @@ CP_BACKEND=${CP_BACKEND:-auto}
 read -r -a TORCHRUN <<< "${TORCHRUN:-python3 -m torch.distributed.run --standalone --nproc_per_node 2}"
 mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-# the extension built from this checkout's csrc (the ws work lists changed with local queries, daa59eb:
-# an older build does not match them): .gpu/lq (local-query build) when carried, else .gpu/final
-if [ -z "$MEGATRON_DUALKV_CUDA_LIB" ]; then
-  MEGATRON_DUALKV_CUDA_LIB=$PWD/.gpu/final/_C.so
-  [ -f "$PWD/.gpu/lq/_C.so" ] && MEGATRON_DUALKV_CUDA_LIB=$PWD/.gpu/lq/_C.so
-fi
-export MEGATRON_DUALKV_CUDA_LIB
+# the extension built from this checkout's csrc (`python csrc/build_ext.py .gpu/final`; the work
+# lists are Python-side, so a build from older sources does not match them)
+export MEGATRON_DUALKV_CUDA_LIB=${MEGATRON_DUALKV_CUDA_LIB:-$PWD/.gpu/final/_C.so}
 
 # ------------------------------------------------------------------------------------------------
 # The summary: stdlib only, reads $LOGS, prints the tables and writes them as markdown.
