@@ -54,7 +54,7 @@ def parse_args():
     ap.add_argument("--vocab", type=int, default=32768,
                     help="vocabulary (Qwen3's 151936 makes float32 logits of 32K edges ~20 GiB at CP=1)")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--backend", default="flex", help="attention backend for both CP=1 and CP=2 (None: automatic)")
+    ap.add_argument("--backend", default="auto", help="attention backend for both CP=1 and CP=2 (auto: the entry point's choice, the CUDA kernel on Hopper)")
     ap.add_argument("--chunks-per-rank", type=int, default=8)
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--check-size", default=None, help="qwen3_config size of the exactness phase (default: --size)")
