@@ -4,6 +4,9 @@
     python examples/pretrain_grpo_dualkv.py --demo --train-iters 8 --no-dualkv   # the default, changed
     torchrun --nproc-per-node 8 examples/pretrain_grpo_dualkv.py --model-size 8b \\
         --rollouts rollouts.parquet --tensor-model-parallel-size 2 --sequence-parallel --bf16 ...
+    # long prompts: every micro-batch split over 2 GPUs as well (DualKV context parallelism)
+    torchrun --nproc-per-node 8 examples/pretrain_grpo_dualkv.py --model-size 8b ... \\
+        --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --max-tokens-per-micro-batch 65536
 
 Megatron's arguments plus ours (megatron_dualkv/training/args.py; docs/TRAINING.md lists them).
 With a GPU it runs megatron.training.pretrain() with our model provider (Qwen3 DualKVGPTModel,
@@ -65,10 +68,26 @@ def build_argv(argv: list[str]) -> list[str]:
     size = _flag_value(argv, "--model-size")
     vocab = _flag_value(argv, "--vocab-size")
     front = preset_argv(size, int(vocab) if vocab else None) if size else []
-    # Megatron requires --seq-length; here it is only the packed micro-batch length budget
-    per_run = {**DEFAULT_ARGV, "--seq-length": _flag_value(argv, "--max-tokens-per-micro-batch") or "4096"}
+    per_run = {**DEFAULT_ARGV, "--seq-length": _seq_length(argv, front + argv),
+               # Megatron's default "p2p" is TE's ring attention; DualKV CP is all_gather or a2a
+               "--cp-comm-type": "all_gather"}
     defaults = [x for flag, value in per_run.items() if _flag_value(argv, flag) is None for x in (flag, value)]
     return front + defaults + argv + FORCED_ARGV + _without_te_argv(argv)
+
+
+def _seq_length(argv: list[str], full_argv: list[str]) -> str:
+    """Megatron requires --seq-length, but our micro-batches have their own lengths: it only has to
+    pass Megatron's checks. It is the packed micro-batch budget, capped at --max-position-embeddings
+    (Megatron asserts max_position_embeddings >= seq_length, while a packed micro-batch of several
+    [prompt | responses] is longer than any position in it: P + N*R tokens, positions < P + R),
+    and, under context parallelism, rounded down to a multiple of 2 * cp (Megatron asserts it for
+    its zigzag split of one sequence; the DualKV partition pads each micro-batch itself)."""
+    length = int(_flag_value(argv, "--max-tokens-per-micro-batch") or 4096)
+    max_positions = _flag_value(full_argv, "--max-position-embeddings")
+    if max_positions is not None:
+        length = min(length, int(max_positions))
+    step = 2 * int(_flag_value(argv, "--context-parallel-size") or 1)
+    return str(max(step, length // step * step))
 
 
 def _without_te_argv(argv: list[str]) -> list[str]:
@@ -222,7 +241,8 @@ def run_cpu(argv: list[str]) -> int:
     try:
         with megatron_cpu_shims(), cuda_rng_state_on_cpu(), \
                 model_parallel(tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
-                               etp=args.expert_tensor_parallel_size, seed=args.seed) as pgs:
+                               cp=args.context_parallel_size, etp=args.expert_tensor_parallel_size,
+                               seed=args.seed) as pgs:
             return cpu_job(args, pgs)
     finally:
         dist.destroy_process_group()
@@ -237,7 +257,8 @@ def cpu_job(args, pgs) -> int:
 
     from megatron_dualkv.training.args import loss_config_from_args
     from megatron_dualkv.training.log import StepLog
-    from megatron_dualkv.training.providers import build_policy_model, model_config_from_args, rollout_stream_from_args
+    from megatron_dualkv.training.providers import (build_policy_model, dualkv_model_options, model_config_from_args,
+                                                    rollout_stream_from_args)
     from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
     from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, ReferencePolicy
     from megatron_dualkv.model_shape import ModelShape
@@ -247,10 +268,11 @@ def cpu_job(args, pgs) -> int:
     cfg.transformer.use_cpu_initialization = True
     dualkv = not args.no_dualkv
     torch.manual_seed(args.seed)
-    model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False)
+    options = dualkv_model_options(args) if dualkv else {}
+    model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False, **options)
     reference = None
     if args.kl_reference == "initial":
-        ref_model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False)
+        ref_model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False, **options)
         ref_model.load_state_dict(model.state_dict())
         reference = ReferencePolicy(ref_model, dualkv=dualkv, temperature=args.temperature)
     # Megatron's gradient clipping asserts CUDA tensors (clip_grads.py): none on the CPU.

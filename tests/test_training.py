@@ -416,7 +416,7 @@ def _args(**kw):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(pipeline_model_parallel_size=2), "pipeline parallelism"),
-    (dict(context_parallel_size=2), "context parallelism"),
+    (dict(context_parallel_size=2, no_dualkv=True), "--no-dualkv does not support context parallelism"),
     (dict(micro_batch_size=2), "micro-batch-size must be 1"),
     (dict(groups_per_step=0), "groups-per-step"),
 ])

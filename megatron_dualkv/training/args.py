@@ -2,7 +2,7 @@
 
     parser = add_dualkv_args(parser)            # Megatron's extra_args_provider
     argv = preset_argv("8b") + sys.argv[1:]      # Qwen3 shape as Megatron flags; user flags win
-    check_parallelism(args)                      # PP / CP refused with the reason
+    check_parallelism(args)                      # PP refused with the reason; CP checked (DualKV only)
     loss_config_from_args(args), packing_options_from_args(args)
 
 Our options (group "dualkv"):
@@ -19,6 +19,14 @@ Our options (group "dualkv"):
   --step-log FILE            the step records as JSON lines (full precision), besides the printed line
   --logits-chunk-rows N      opt-in: output layer + log-softmax over chunks of N loss edges, recomputed in
                              backward (no [edges, vocab/tp] logits kept; docs/MEGATRON.md); default: one pass
+  --cp-chunks-per-rank, --cp-chunk-multiple   how a micro-batch is split over --context-parallel-size ranks
+                             (megatron_dualkv.cp.cp_partition; docs/CONTEXT_PARALLEL.md)
+
+Context parallelism (--context-parallel-size c > 1, DualKV only): every CP rank of a data-parallel
+replica receives the same packed micro-batch and the model shards it itself (rows balanced by
+attention work, K/V all-gathered or heads split by all-to-all: --cp-comm-type all_gather | a2a).
+--max-tokens-per-micro-batch stays the budget of the WHOLE micro-batch: a rank holds about 1/c of
+it (plus the partition's padding).
 
 A Megatron "sample" is one packed micro-batch: --micro-batch-size must be 1, and
 --global-batch-size / data-parallel size is the most micro-batches a rank may get per step (the
@@ -28,6 +36,7 @@ packer uses fewer when the step's groups fit; the remaining slots run no model w
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Optional
 
 from ..data.advantages import AdvantageEstimator
@@ -71,6 +80,12 @@ def add_dualkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--logits-chunk-rows", type=int, default=None,
                    help="opt-in: compute the output layer and log-softmax over chunks of this many loss edges, "
                         "recomputed in backward, so no [edges, vocab/tp] logits are kept (DualKV model only)")
+    g.add_argument("--cp-chunks-per-rank", type=int, default=8,
+                   help="context parallelism: contiguous chunks each CP rank holds at least (finer attention-work "
+                        "balance with more; the partition tries up to twice as many for less padding)")
+    g.add_argument("--cp-chunk-multiple", type=int, default=128,
+                   help="context parallelism: chunk length is a multiple of this (128: FlexAttention's block; "
+                        "made a multiple of the TP size under sequence parallelism)")
     return parser
 
 
@@ -110,10 +125,7 @@ def check_parallelism(args) -> None:
             "activations of one fixed shape (seq_length x micro_batch_size) between stages; variable shapes "
             "(variable_seq_lengths) and handing the layout to every stage are not implemented or tested. "
             "Use tensor, expert and data parallelism.")
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    if cp > 1:
-        raise ValueError("context parallelism (--context-parallel-size > 1) is not supported by this script yet "
-                         "(DualKV CP is its own issue)")
+    check_context_parallelism(args)
     if getattr(args, "micro_batch_size", 1) != 1:
         raise ValueError(f"--micro-batch-size must be 1: one Megatron micro-batch is one packed DualKV micro-batch "
                          f"(its size is --max-tokens-per-micro-batch), got {args.micro_batch_size}")
@@ -124,6 +136,53 @@ def check_parallelism(args) -> None:
     chunk = getattr(args, "logits_chunk_rows", None)
     if chunk is not None and chunk < 1:
         raise ValueError(f"--logits-chunk-rows must be >= 1 (or left out for one pass), got {chunk}")
+
+
+# Megatron's --cp-comm-type values that DualKV implements (megatron_dualkv.cp): K/V all-gather with
+# local queries, and Ulysses all-to-all. "p2p" (the ring) and "a2a+p2p" exist only inside
+# Transformer Engine's attention, which the DualKV core attention replaces.
+DUALKV_CP_COMM_TYPES = ("all_gather", "a2a")
+
+
+def check_context_parallelism(args) -> None:
+    """--context-parallel-size > 1: what the script supports, refused otherwise with the reason."""
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp == 1:
+        return
+    if getattr(args, "no_dualkv", False):
+        raise ValueError(
+            "--no-dualkv does not support context parallelism (--context-parallel-size > 1): the replicated "
+            "baseline is the stock GPTModel, whose context parallelism exists only in Transformer Engine's "
+            "attention (Megatron's local DotProductAttention asserts context_parallel_size == 1), and the "
+            "replicated batch (one padded row per response) is not split over CP ranks by this script. "
+            "Run the A/B baseline at --context-parallel-size 1 (same micro-batches, more memory per GPU) or "
+            "use the DualKV path, which shards every micro-batch itself")
+    comm = getattr(args, "cp_comm_type", None) or ["all_gather"]
+    comm = [comm] if isinstance(comm, str) else list(comm)
+    bad = sorted({c for c in comm if c not in DUALKV_CP_COMM_TYPES})
+    if bad:
+        raise ValueError(
+            f"--cp-comm-type {' '.join(comm)}: DualKV context parallelism implements {DUALKV_CP_COMM_TYPES} "
+            f"(K/V all-gather, the default, or heads split by all-to-all); {bad} exist only inside Transformer "
+            f"Engine's attention, which the DualKV core attention replaces")
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        raise ValueError("--hierarchical-context-parallel-sizes is Transformer Engine's a2a+p2p context parallelism; "
+                         "DualKV CP uses one CP group (--cp-comm-type all_gather or a2a)")
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError("--hybrid-context-parallel (Megatron's per-sequence dynamic CP) is not supported: DualKV "
+                         "CP splits every packed micro-batch over the whole CP group")
+    for flag in ("cp_chunks_per_rank", "cp_chunk_multiple"):
+        value = getattr(args, flag, 1)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+
+
+def cp_chunk_multiple(args) -> int:
+    """Chunk length multiple of the CP partition: --cp-chunk-multiple, made a multiple of TP under
+    sequence parallelism (SP splits each CP rank's rows over the TP ranks)."""
+    multiple = getattr(args, "cp_chunk_multiple", 128)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    return math.lcm(multiple, tp) if getattr(args, "sequence_parallel", False) else multiple
 
 
 def loss_config_from_args(args) -> PolicyLossConfig:
@@ -138,8 +197,13 @@ def advantage_estimator_from_args(args) -> AdvantageEstimator:
 
 
 def pad_to_multiple(args) -> int:
-    """Packed length multiple: TP under sequence parallelism (CP would add 2*cp)."""
+    """Packed length multiple the packer pads each micro-batch to: TP under sequence parallelism
+    (SP splits the rows over TP). Under context parallelism nothing: the model's CP partition pads
+    each micro-batch itself to cp * k * C rows (C a multiple of lcm(cp_chunk_multiple(args), 2), so
+    every CP rank's rows split over TP), and packer padding would only add rows."""
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        return 1
     return tp if getattr(args, "sequence_parallel", False) and tp > 1 else 1
 
 

@@ -6,8 +6,13 @@
 The model is the Qwen3-shaped DualKVGPTModel (or, with --no-dualkv, the stock GPTModel with the
 same parameter names), dense or MoE, built from Megatron's arguments (`--model-size` expands to
 the shape flags, see args.preset_argv) through `core_transformer_config_from_args`, so every
-Megatron flag (TP/SP/EP, bf16, recomputation, dispatcher...) applies as usual. The dataset is a
+Megatron flag (TP/SP/EP/CP, bf16, recomputation, dispatcher...) applies as usual. The dataset is a
 `data.RolloutStepStream` over the rollout file, resumed at Megatron's iteration counter.
+
+Context parallelism: the CP group is Megatron's (`pg_collection.cp`, from parallel_state), and
+the DualKV model splits each packed micro-batch over it itself (megatron_dualkv.cp); the stream
+is planned per DATA-parallel rank (parallel_state's DP size and rank exclude CP), so every CP
+rank of a replica gets the same micro-batches, as Megatron's own data path does.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from ..data import DEFAULT_ROLLOUTS, read_rollouts
 from ..megatron.config import ModelConfig, build_dualkv_model, build_replicated_model
 from ..model_shape import ModelShape
 from ..packing import PackingConfig, flop_work_weights
-from .args import advantage_estimator_from_args, check_parallelism, pad_to_multiple, round_budget
+from .args import advantage_estimator_from_args, check_parallelism, cp_chunk_multiple, pad_to_multiple, round_budget
 from .data import RolloutStepStream
 
 
@@ -53,11 +58,17 @@ def model_config_from_args(args, transformer_config=None) -> ModelConfig:
 
 def build_policy_model(cfg: ModelConfig, *, dualkv: bool, pg_collection=None, pre_process: bool = True,
                        post_process: bool = True, vp_stage: Optional[int] = None,
-                       use_transformer_engine: Optional[bool] = None):
-    """DualKVGPTModel, or the stock GPTModel for the replicated baseline (same parameters)."""
+                       use_transformer_engine: Optional[bool] = None, **dualkv_kw):
+    """DualKVGPTModel, or the stock GPTModel for the replicated baseline (same parameters).
+    dualkv_kw: DualKV-only build_dualkv_model options (e.g. cp_chunks_per_rank, cp_chunk_multiple)."""
     kw = dict(pg_collection=pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
               use_transformer_engine=use_transformer_engine)
-    return build_dualkv_model(cfg, **kw) if dualkv else build_replicated_model(cfg, **kw)
+    return build_dualkv_model(cfg, **kw, **dualkv_kw) if dualkv else build_replicated_model(cfg, **kw)
+
+
+def dualkv_model_options(args) -> dict:
+    """build_dualkv_model options from the arguments: how micro-batches split under CP."""
+    return dict(cp_chunks_per_rank=getattr(args, "cp_chunks_per_rank", 8), cp_chunk_multiple=cp_chunk_multiple(args))
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
@@ -69,9 +80,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     check_parallelism(args)
     cfg = model_config_from_args(args, config)
     use_te = None if args.transformer_impl == "transformer_engine" else False
+    # pg_collection (from Megatron's get_model) carries the CP group: the DualKV model shards each
+    # micro-batch over it; no Transformer Engine needed (its own core attention does the CP).
     model = build_policy_model(cfg, dualkv=not args.no_dualkv, pg_collection=pg_collection,
                                pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                               use_transformer_engine=use_te)
+                               use_transformer_engine=use_te, **({} if args.no_dualkv else dualkv_model_options(args)))
     if not args.no_dualkv:  # opt-in chunked output layer (--logits-chunk-rows; None: one pass)
         model.logits_chunk_rows = getattr(args, "logits_chunk_rows", None)
     return model

@@ -16,6 +16,14 @@ data-parallel ranks and divides every gradient by that total in finalize_model_g
 is exactly the global normaliser of `policy_loss`, so the gradient is that of the token-mean (or
 response-mean) over the whole step, independent of how the step is split into micro-batches.
 
+Context parallelism (the model's pg_collection.cp of size c > 1): every CP rank runs the same
+micro-batch, the DualKV model returns the logprobs of ALL its loss edges on every CP rank
+(gathered from the ranks holding their source rows: a group's last prompt row may live on
+another rank than its responses), so loss_func computes the full micro-batch's loss on each CP
+rank, and backward keeps each rank's own edges' share. Megatron sums the returned counts over
+DP x CP (finalize_model_grads), so only CP rank 0 reports the count (`cp_token_count`); the
+metric pairs are full on every CP rank (their ratios are what is logged, unchanged by the sum).
+
 Metrics are Megatron's reporting convention: each value a [sum, count] pair that Megatron (and
 `StepLog`) sums over micro-batches and DP ranks before dividing: loss, pg_loss, kl (k3, 0 when
 the rollouts carry no reference logprobs), clip_fraction, ratio (mean importance ratio) and
@@ -147,17 +155,18 @@ class PolicyForwardStep:
             zero = torch.zeros((), dtype=torch.float32, device=device, requires_grad=True)
             return zero, partial(self.empty_loss_func, item)
         mb = item.micro_batch.to(device)
+        cp_group = getattr(getattr(core, "pg_collection", None), "cp", None)
         logprobs = policy_logprobs(core, mb.layout, dualkv=self.dualkv, temperature=self.temperature)
         batch = mb.policy_batch()
         if batch.old_logprobs is None and self.old_cache is not None:
             batch = dataclasses.replace(batch, old_logprobs=self.old_cache.old_logprobs(item, logprobs))
         if batch.ref_logprobs is None and self.reference is not None:
             batch = dataclasses.replace(batch, ref_logprobs=self.reference(mb.layout))
-        return logprobs, partial(self.loss_func, mb, batch)
+        return logprobs, partial(self.loss_func, mb, batch, cp_group=cp_group)
 
     # -- loss functions ---------------------------------------------------------------------
-    def loss_func(self, mb, batch, logprobs: Tensor):
-        """(loss_sum, count, metrics) of one packed micro-batch."""
+    def loss_func(self, mb, batch, logprobs: Tensor, cp_group=None):
+        """(loss_sum, count, metrics) of one packed micro-batch (count on CP rank 0 only)."""
         cfg = self.loss_config
         # Normalise by this micro-batch's own count (at least 1) and multiply back: the product is
         # the micro-batch's share of the step's sum; Megatron divides by the global count.
@@ -184,7 +193,12 @@ class PolicyForwardStep:
         }
         if self.log is not None:
             self.log.add(metrics)
-        return loss_sum, torch.tensor(int(round(count)), dtype=torch.int, device=logprobs.device), metrics
+        num = torch.tensor(int(round(count)), dtype=torch.int, device=logprobs.device)
+        if cp_group is not None and cp_group.size() > 1:
+            from ..megatron.model import cp_token_count
+
+            num = cp_token_count(num, cp_group)  # the micro-batch counted once per CP group
+        return loss_sum, num, metrics
 
     def empty_loss_func(self, item: StepItem, zero: Tensor):
         metrics = {k: torch.zeros(2, dtype=torch.float32, device=zero.device) for k in METRIC_KEYS}
