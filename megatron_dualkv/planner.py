@@ -21,7 +21,12 @@ What it models (docs/PLANNER.md gives every formula and the assumptions behind e
   TP / CP / EP / DP communication at stated bandwidths, nothing overlapped (an upper bound);
 - MFU: deduplicated useful FLOPs (what DualKV computes, without recomputation) / (time x peak x GPUs),
   the convention of the training script's log; every FLOP formula is megatron_dualkv.model_shape's.
-Checked on CPU against a tiny Megatron model (tests/test_planner.py); not yet against GPU runs.
+- the stock path as `--no-dualkv` runs it without TE (Implementation(stock_attention='unfused'):
+  [rows, heads, S, S] scores, rows padded per micro-batch) and Megatron's persistent global buffer;
+- a step as the packer made it (PackedStep / packed_step from a packing.PackingPlan), the peak over
+  its micro-batches.
+Checked on CPU against a tiny Megatron model (tests/test_planner.py) and against the GPU runs of
+docs/PERF.md (docs/PLANNER.md, "Measured GPU runs").
 """
 
 from __future__ import annotations
@@ -140,6 +145,10 @@ class Implementation:
     logits_chunk_rows: the model's opt-in chunked output (--logits-chunk-rows): the output layer and logprobs run
       over chunks of this many rows and are recomputed in backward, so no [rows, vocab/TP] fp32
       tensor outlives its chunk (costs one more output-layer forward).
+    stock_attention: the stock path's core attention: 'flash' (TE / cuDNN: saves q, k, v, output and a
+      fp32 LSE, no scores) or 'unfused' (Megatron's local-spec DotProductAttention, what `--no-dualkv`
+      runs without Transformer Engine: [rows, heads, S, S] bf16 scores and probabilities, K and V
+      repeated to every query head).
     """
 
     norm: str = "fused"
@@ -149,12 +158,13 @@ class Implementation:
     with_entropy: bool = False
     stock_logits: str = "all_rows"
     logits_chunk_rows: Optional[int] = None
+    stock_attention: str = "flash"
 
     def __post_init__(self):
         if self.logits_chunk_rows is not None and self.logits_chunk_rows < 1:
             raise ValueError(f"logits_chunk_rows must be >= 1, got {self.logits_chunk_rows}")
         for f, ok in (("norm", ("fused", "composite")), ("rope", ("unfused", "fused")), ("swiglu", ("fused", "unfused")),
-                      ("stock_logits", ("all_rows", "edges"))):
+                      ("stock_logits", ("all_rows", "edges")), ("stock_attention", ("flash", "unfused"))):
             if getattr(self, f) not in ok:
                 raise ValueError(f"Implementation.{f} must be one of {ok}, got {getattr(self, f)!r}")
 
@@ -198,6 +208,9 @@ class MicroBatch:
     loss_edges: int
     responses: int
     what: str
+    # stock (replicated) bshd batch: every one of the `responses` rows is padded to this length
+    # (tokens = responses x row_width, padding included); 0 for a packed DualKV micro-batch
+    row_width: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,7 +288,7 @@ class Workload:
         total, out = n * self.groups_per_step, []
         while total:
             k = min(m, total)
-            out.append(MicroBatch(k * seq, k * pairs_one, k * seq, k * r, k, f"{k} sequence(s)"))
+            out.append(MicroBatch(k * seq, k * pairs_one, k * seq, k * r, k, f"{k} sequence(s)", row_width=seq))
             total -= k
         return out
 
@@ -284,6 +297,61 @@ class Workload:
         pairs, _ = group_pairs(self.p, [self.r] * self.n)
         G = self.groups_per_step
         return G * (self.p + self.n * self.r), G * pairs, G * self.n * self.r
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """A step as the packer made it (same interface as Workload for make_plan): every data-parallel
+    rank's micro-batches in order, DualKV (packed) or the replicated bshd rows that `--no-dualkv`
+    builds from the same micro-batches, and the deduplicated totals for the MFU.
+    `packed_step` builds one from a packing.PackingPlan."""
+
+    ranks: tuple  # [dp rank] -> tuple of MicroBatch
+    dualkv: bool
+    useful: tuple  # (tokens, attention pairs, loss edges) of the deduplicated step
+    name: str = "packed rollouts"
+
+    def micro_batches(self) -> list[MicroBatch]:
+        return [mb for rank in self.ranks for mb in rank]
+
+    def useful_totals(self) -> tuple[int, int, int]:
+        return self.useful
+
+    def label(self) -> str:
+        return f"{self.name}, {'DualKV' if self.dualkv else 'stock'}"
+
+
+def packed_step(records, plan, dualkv: bool, pad_to_multiple: int = 1, name: str = "packed rollouts") -> PackedStep:
+    """The PackedStep of a packing.PackingPlan over `records` (RolloutGroups: only their prompt and
+    response lengths are read). Stock rows as megatron.replicated builds them: one row per response,
+    [prompt | response], right-padded to the micro-batch's longest row rounded up to
+    pad_to_multiple (TP under sequence parallelism); DualKV micro-batches padded to it as well."""
+    ranks, useful = [], [0, 0, 0]
+    for rank in plan.ranks:
+        mbs = []
+        for pieces in rank:
+            tokens = pairs = edges = 0
+            rows = []
+            for pc in pieces:
+                rec = records[pc.record]
+                p = len(rec.prompt)
+                lengths = [len(rec.responses[i]) for i in pc.responses]
+                tokens += p + sum(lengths)
+                edges += sum(lengths)
+                dedup, _ = group_pairs(p, lengths)
+                pairs += dedup
+                rows += [p + r for r in lengths]
+            useful = [useful[0] + tokens, useful[1] + pairs, useful[2] + edges]
+            if dualkv:
+                padded = tokens + (-tokens) % pad_to_multiple
+                mbs.append(MicroBatch(padded, pairs, edges, edges, len(rows), f"{len(pieces)} group piece(s)"))
+            else:
+                width = max(rows) + (-max(rows)) % pad_to_multiple
+                stock_pairs = sum(group_pairs(r, [])[0] for r in rows)  # causal rows, padding not attended
+                mbs.append(MicroBatch(len(rows) * width, stock_pairs, len(rows) * width, edges, len(rows),
+                                      f"{len(rows)} rows x {width}", row_width=width))
+        ranks.append(tuple(mbs))
+    return PackedStep(tuple(ranks), dualkv, tuple(useful), name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,6 +393,17 @@ def layer_activation_terms(shape: ModelShape, impl: Implementation, dualkv: bool
         # The DualKV core attention hands the kernels dense K and V copies, so nothing keeps the
         # fused QKV output alive (its V view was the last holder).
         t["qkv_output"] = 0
+    elif impl.stock_attention == "unfused":
+        # Megatron's DotProductAttention: repeat_interleave copies K and V to every query head, the
+        # score bmm saves q and the repeated K, the context bmm the repeated V (and the probabilities:
+        # per micro-batch, unfused_score_entries); no LSE. The rotated K dies (the copy's backward
+        # needs no input).
+        t["attn_qkv"] = 2 * 3 * hq * d
+        t["attn_out_lse"] = 2 * hq * d
+        if impl.norm == "composite":
+            # the composite k-norm saves its own fp32 copy and V is copied: nothing holds the fused
+            # QKV output (the fused norm saves its input, a view of it, which keeps it)
+            t["qkv_output"] = 0
     if shape.is_moe:
         f, k, E = shape.moe_ffn_hidden_size, shape.moe_router_topk, shape.num_moe_experts
         t["router"] = 2 * h + 4 * E + 44 * k + 5  # input, fp32 scores, top-k probs/indices, permutation maps
@@ -357,6 +436,28 @@ def layer_bytes_per_token(shape: ModelShape, impl: Implementation, par: Parallel
     return total
 
 
+def unfused_score_entries(shape: ModelShape, par: Parallel, impl: Implementation, dualkv: bool,
+                          mb: MicroBatch) -> int:
+    """[rows, heads/TP, S, S] entries of one layer's attention scores on one GPU: what the stock
+    path's unfused DotProductAttention materialises (0 for DualKV and for flash attention)."""
+    if dualkv or impl.stock_attention != "unfused":
+        return 0
+    if par.cp > 1:
+        raise ValueError("Megatron's unfused DotProductAttention does not support context parallelism (TE only)")
+    if mb.row_width < 1:
+        raise ValueError(f"micro-batch {mb.what!r}: the stock bshd batch needs its row width")
+    return mb.responses * (shape.num_attention_heads // par.tp) * mb.row_width ** 2
+
+
+def global_buffer_bytes(shape: ModelShape, par: Parallel, impl: Implementation, dualkv: bool,
+                        mb: MicroBatch) -> float:
+    """Megatron's global memory buffer ("mpu", bf16): allocated at the largest size asked for and kept
+    for the whole run. Users: the sequence-parallel all-gather of a linear layer's input
+    ([tokens/CP, hidden]) and the unfused attention's baddbmm input ([rows x heads/TP, S, S])."""
+    sp_gather = 2 * shape.hidden_size * mb.tokens / par.cp if par.sp and par.tp > 1 else 0.0
+    return max(sp_gather, 2.0 * unfused_score_entries(shape, par, impl, dualkv, mb))
+
+
 # ------------------------------------------------------------------------------------------------
 # The plan
 # ------------------------------------------------------------------------------------------------
@@ -372,7 +473,7 @@ class Plan:
     memory: dict = field(default_factory=dict)  # bytes per GPU by item (peak)
     flops: dict = field(default_factory=dict)  # per step, whole job
     time: dict = field(default_factory=dict)  # seconds per step by item (slowest DP rank)
-    largest: Optional[MicroBatch] = None
+    largest: Optional[MicroBatch] = None  # the micro-batch that sets the memory peak
     micro_batches_per_rank: int = 0
     notes: list = field(default_factory=list)
 
@@ -407,9 +508,7 @@ def make_plan(shape: ModelShape, par: Parallel, work: Workload, recompute: str =
     par.check(shape)
     plan = Plan(shape, par, work, recompute, impl, hw)
     mbs = work.micro_batches()
-    largest = max(mbs, key=lambda m: (m.tokens, m.logit_rows))
-    plan.largest = largest
-    plan.memory = _memory(shape, par, work, recompute, impl, largest)
+    plan.memory, plan.largest = peak_memory(shape, par, work, recompute, impl, mbs)
     _flops_and_time(plan, mbs)
     if par.cp > 1:
         plan.notes.append("CP > 1: the DualKV model supports it; examples/pretrain_grpo_dualkv.py refuses it for now"
@@ -433,7 +532,11 @@ def static_bytes(shape: ModelShape, par: Parallel) -> dict:
 
 
 def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, impl: Implementation,
-            mb: MicroBatch) -> dict:
+            mb: MicroBatch, buffers: Optional[float] = None) -> dict:
+    """Peak bytes per GPU while `mb` runs. buffers: Megatron's global buffer, sized by the step's
+    largest user (default: this micro-batch's)."""
+    if buffers is None:
+        buffers = global_buffer_bytes(shape, par, impl, work.dualkv, mb)
     st = static_bytes(shape, par)
     h, L, tp, cp = shape.hidden_size, shape.num_layers, par.tp, par.cp
     tokens = mb.tokens / cp  # this rank's rows
@@ -451,9 +554,13 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
     # Backward workspace, as fractions of one layer's saved activations (measured on the
     # CPU measurement of tests/test_planner.py: gradients of a layer's activations exist while its
     # saved tensors are released; full recomputation first rebuilds the whole layer).
+    # Unfused stock attention, per layer: the bf16 probabilities (saved by the context bmm and the
+    # softmax, one storage), and in backward two score-sized bf16 gradients at once (of the
+    # probabilities and of the scores; the masked_fill backward makes a third as the first dies).
+    scores = unfused_score_entries(shape, par, impl, work.dualkv, mb)
     if recompute == "full":
         stored_layers = L * layer_input + (4 * shape.kv_channels + 1) * tokens  # + fp32 rotary table, mask
-        workspace = WORKSPACE_FULL * per_layer
+        workspace = WORKSPACE_FULL * per_layer + (2 + 4) * scores  # the rebuilt layer, probabilities included
     else:
         saved = per_layer
         if recompute == "selective":  # core attention recomputed: its inputs are kept, output and LSE not
@@ -463,8 +570,19 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
                 # never sees the core attention's dense copy
                 d, hq, hkv = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
                 saved += (2 * (hq + 2 * hkv) * d - 2 * hkv * d) / tp * tokens
+            if scores:
+                # the checkpoint keeps q and the rotated K instead of the repeated K and V; the
+                # probabilities are rebuilt in backward
+                d, hq, hkv = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
+                saved -= (4 * hq * d - 2 * hkv * d) / tp * tokens
+                workspace_scores = (2 + 4) * scores
+            else:
+                workspace_scores = 0
+        else:
+            saved += 2 * scores
+            workspace_scores = 4 * scores
         stored_layers = L * saved
-        workspace = WORKSPACE_NONE * per_layer
+        workspace = WORKSPACE_NONE * per_layer + workspace_scores
     if shape.is_moe:
         # permuted tokens before and after the all-to-all exist at once during dispatch
         workspace += 2 * shape.moe_router_topk * 2 * h * par.etp * tokens / tp
@@ -474,31 +592,65 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
     ids = 8 * tokens
     rows = mb.logit_rows / cp
     vocab_local = shape.vocab_size / tp
-    # Bytes per [row, vocab/TP] entry; the transients are measured on the CPU (tests/test_planner.py)
+    # Bytes per [row, vocab/TP] entry, read off the code that runs (megatron_dualkv.megatron.logprobs,
+    # .replicated, Megatron's GPTModel and vocab-parallel CE); the CPU peak test checks them.
+    # The output layer's backward holds its bf16 logits gradient, the input gradient and a bf16
+    # weight gradient (--no-gradient-accumulation-fusion: a new tensor that DDP adds to main_grad).
+    weight_grad = 2 * vocab_local * h
+    per_row_extra = None  # the part of `extra` that scales with the logit rows (what chunking bounds)
     if work.dualkv:
         gathered = (2 * h + 17) * rows  # gathered edge rows (bf16), targets, indices, mask
         held = (8 if impl.with_entropy else 4) * rows * vocab_local  # fp32 softmax (+ fp32 logits)
-        extra = 12 * rows * vocab_local  # bf16 and fp32 logits, exp temporary, backward's -p and grad
+        # the logprobs' backward: softmax, zeros, -p, -p * g (16 B per entry with the held 4)
+        per_row_extra = 12 * rows * vocab_local
+        # ... or the output layer's backward after it (held freed): matters only for few edges
+        extra = max(per_row_extra, 2 * rows * vocab_local + 2 * h * rows + weight_grad - held)
     else:
         gathered = 2 * h * rows / (tp if par.sp else 1)  # output layer input
         if impl.stock_logits == "all_rows":  # Megatron's loss: cross entropy over every row
             held = 4 * rows * vocab_local  # fp32 exp-logits
             extra = 3 * rows * vocab_local  # bf16 logits while cast (+ allocator rounding)
-        else:  # our --no-dualkv baseline: bf16 logits at every row, fp32 log-softmax at the loss edges
+        else:  # our --no-dualkv baseline (replicated_logprobs): bf16 logits at every row, fp32 at the loss edges
             edges = mb.loss_edges / cp
-            held = 4 * edges * vocab_local
-            extra = (2 * rows + 8 * edges) * vocab_local
-    if impl.logits_chunk_rows is not None:  # what-if: one chunk of logits alive at a time
-        extra = (extra + held) / rows * min(rows, impl.logits_chunk_rows) if rows else 0.0
+            held = 4 * edges * vocab_local  # Megatron's vocab-parallel CE keeps fp32 softmax; TP=1: log_softmax output
+            peak = max(
+                # output layer backward: the [b, s, v] logits gradient and its contiguous copy (GPTModel
+                # returned the [s, b, v] logits transposed, so the gradient arrives transposed) +
+                # input and weight gradients; also covers the forward's [s, b, v] -> [b, s, v] copy
+                4 * rows * vocab_local + 2 * h * rows + weight_grad,
+                # forward: [b, s, v] logits + bf16 edge rows, their fp32 cast and its / temperature
+                (2 * rows + 10 * edges) * vocab_local,
+                # backward of the log-softmax (TP=1: gather's zeros + its gradient) or of the CE (in place)
+                (12 if tp == 1 else 8) * edges * vocab_local,
+            )
+            extra = peak - held
+    if impl.logits_chunk_rows is not None:  # one chunk of logits alive at a time
+        base = extra if per_row_extra is None else per_row_extra
+        extra = (base + held) / rows * min(rows, impl.logits_chunk_rows) if rows else 0.0
         held = 0.0
     other = final_norm + ids + gathered
     activations = stored_layers + other + held
     transient = max(extra, workspace)
     return {
-        "weights": st["weights"], "grads": st["grads"], "optimizer": st["optimizer"],
+        "weights": st["weights"], "grads": st["grads"], "optimizer": st["optimizer"], "buffers": buffers,
         "activations": stored_layers + other, "logits": held, "transient": transient,
-        "total": st["weights"] + st["grads"] + st["optimizer"] + activations + transient,
+        "total": st["weights"] + st["grads"] + st["optimizer"] + buffers + activations + transient,
     }
+
+
+def peak_memory(shape: ModelShape, par: Parallel, work, recompute: str, impl: Implementation,
+                mbs: Sequence[MicroBatch]) -> tuple[dict, MicroBatch]:
+    """(memory by item, the micro-batch that sets it): the highest peak over the step's micro-batches
+    (each has its own tokens, loss edges and, for the stock bshd batch, rows x width), with the
+    global buffer at the size its largest user left it."""
+    distinct = list(dict.fromkeys(mbs))
+    buffers = max(global_buffer_bytes(shape, par, impl, work.dualkv, mb) for mb in distinct)
+    best = None
+    for mb in distinct:
+        mem = _memory(shape, par, work, recompute, impl, mb, buffers)
+        if best is None or mem["total"] > best[0]["total"]:
+            best = (mem, mb)
+    return best
 
 
 # -- FLOPs and time --------------------------------------------------------------------------
@@ -515,6 +667,44 @@ def micro_batch_flops(shape: ModelShape, mb: MicroBatch, recompute: str = "none"
         "attention": (FWD_BWD_FACTOR + (1 if recompute in ("full", "selective") else 0))
         * shape.attention_flops(mb.attention_pairs),
     }
+
+
+# HBM bytes per entry of the element-wise passes (each op reads its inputs and writes its output
+# once; what the GEMMs read and write is in their FLOP time), counted from the code that runs:
+# DualKV logprobs [edges, vocab/TP] (megatron.logprobs): fp32 cast 6, max 4, z - max 8, exp 8, sum 4,
+# normalise 8 forward; zeros 4, -p 8, * g 8, bf16 cast 6 backward.
+DUALKV_LOGITS_BYTES, DUALKV_LOGITS_FWD_BYTES = 64, 38
+# --no-dualkv (megatron.replicated) over every row: the [b, s, v] contiguous copy 4 forward; zeros 2
+# and the transposed gradient's contiguous copy 4 backward
+STOCK_ROW_BYTES = 10
+# ... and at its loss edges: gather 4, fp32 cast 6, / temperature 8, then TP=1 log_softmax 12 and
+# backward zeros 4 + 12 + 8 + 6 + index_put 4; TP>1 clone 8 + Megatron's CE 32, backward 8 + 8 + 6 + 4
+STOCK_EDGE_BYTES = {1: 64, 2: 84}
+# GPTModel's own loss over every row: fp32 cast 6, CE 32, backward 8 + 6
+STOCK_ALL_ROWS_BYTES = 52
+# unfused attention per score entry and layer: baddbmm write 2, masked_fill_ 4, softmax 4, context
+# bmm read 2 forward; probs gradient 2, dV read 2, softmax backward 6, masked_fill backward 4, dQ and
+# dK reads 4 backward
+UNFUSED_SCORE_BYTES, UNFUSED_SCORE_FWD_BYTES = 30, 12
+
+
+def memory_bound_bytes(plan: Plan, mb: MicroBatch) -> float:
+    """HBM bytes of one micro-batch's element-wise passes on one GPU over the two largest arrays:
+    the [rows, vocab/TP] logits and the unfused attention's scores (others are a few percent)."""
+    shape, par, impl, rc = plan.shape, plan.parallel, plan.impl, plan.recompute
+    dual = plan.workload.dualkv
+    vocab_local = shape.vocab_size / par.tp
+    rows, edges = mb.logit_rows / par.cp, mb.loss_edges / par.cp
+    if dual:
+        per = DUALKV_LOGITS_BYTES + (DUALKV_LOGITS_FWD_BYTES if impl.logits_chunk_rows is not None else 0)
+        logits = per * rows * vocab_local
+    elif impl.stock_logits == "edges":
+        logits = (STOCK_ROW_BYTES * rows + STOCK_EDGE_BYTES[min(par.tp, 2)] * edges) * vocab_local
+    else:
+        logits = STOCK_ALL_ROWS_BYTES * rows * vocab_local
+    scores = unfused_score_entries(shape, par, impl, dual, mb)
+    per_score = UNFUSED_SCORE_BYTES + (UNFUSED_SCORE_FWD_BYTES if rc in ("full", "selective") else 0)
+    return logits + per_score * shape.num_layers * scores
 
 
 def _bw(hw: Hardware, spans_nodes: bool, a2a: bool = False) -> float:
@@ -539,6 +729,13 @@ def micro_batch_time(plan: Plan, mb: MicroBatch) -> dict:
         "logits": f["logits"] / split / (hw.matmul_tflops * 1e12),
         "attention": (FWD_BWD_FACTOR * attn_fwd / attn_rate + recompute_attn / attn_fwd_rate) / split,
     }
+    scores = unfused_score_entries(shape, par, plan.impl, dual, mb)
+    if scores:
+        # the local spec's two bmm multiply full S x S squares (masked and padding entries too)
+        # per (row, head), 3x forward with backward, at the dense matmul rate
+        passes = MATMUL_FWD_BWD_FACTOR + (1 if rc in ("full", "selective") else 0)
+        t["attention"] = passes * shape.num_layers * 4 * shape.kv_channels * scores / (hw.matmul_tflops * 1e12)
+    t["memory_bound"] = memory_bound_bytes(plan, mb) / (hw.hbm_gbps * 1e9)
     h, L, tokens = shape.hidden_size, shape.num_layers, mb.tokens / par.cp
     extra_fwd = 1 if rc == "full" else 0
     node = hw.gpus_per_node
@@ -605,12 +802,19 @@ def _flops_and_time(plan: Plan, mbs: Sequence[MicroBatch]) -> None:
         for k, v in f.items():
             executed[k] += v
         times.append(t)
-    # micro-batches to data-parallel ranks, longest first to the least loaded (the packer balances work)
     loads = [0.0] * par.dp
     counts = [0] * par.dp
     per_rank = [dict.fromkeys(times[0], 0.0) for _ in range(par.dp)] if times else []
-    for i in sorted(range(len(times)), key=lambda i: -times[i]["total"]):
-        r = min(range(par.dp), key=lambda j: loads[j])
+    if isinstance(plan.workload, PackedStep):  # the packer's own assignment, rank by rank
+        if len(plan.workload.ranks) != par.dp:
+            raise ValueError(f"the packed step has {len(plan.workload.ranks)} data-parallel ranks, the layout {par.dp}")
+        owner = [r for r, rank in enumerate(plan.workload.ranks) for _ in rank]
+        order = range(len(times))
+    else:  # micro-batches to data-parallel ranks, longest first to the least loaded (the packer balances work)
+        owner = None
+        order = sorted(range(len(times)), key=lambda i: -times[i]["total"])
+    for i in order:
+        r = owner[i] if owner is not None else min(range(par.dp), key=lambda j: loads[j])
         loads[r] += times[i]["total"]
         counts[r] += 1
         for k, v in times[i].items():
@@ -672,8 +876,7 @@ def best_plan(shape: ModelShape, par: Parallel, n: int, p: int, r: int, groups_p
                 continue  # same split as the previous count
             work = Workload(n=n, p=p, r=r, groups_per_step=groups_per_step, dualkv=dualkv,
                             responses_per_micro_batch=per_mb)
-            mb = max(work.micro_batches(), key=lambda m: (m.tokens, m.logit_rows))
-            mem = _memory(shape, par, work, rc, impl, mb)
+            mem, _ = peak_memory(shape, par, work, rc, impl, work.micro_batches())
             if mem["total"] + hw.reserve_gib * GIB > hw.memory_gib * GIB:
                 continue
             plan = make_plan(shape, par, work, rc, impl, hw)

@@ -10,7 +10,12 @@ Measured here (tiny Qwen3 shapes, bf16, Megatron-Core local spec, CPU):
 - the live-bytes peak of forward + backward (a dispatch mode tracking every storage an op
   creates until it is freed): within 15% of the planner's peak (saved + logits or backward
   transient).
-The GPU side (fused norms, TE, Flex attention, NCCL, the assumed rates) is not measured here.
+- Megatron's own unfused DotProductAttention (what --no-dualkv runs without TE): saved bytes within
+  1.5%, peak within 15% of the planner's `stock_attention='unfused'` terms;
+- a PackedStep built from the packer's plan has the micro-batches (and replicated rows) the
+  training script runs.
+Derived formulas pinned here: the unfused scores, the stock logits' peak, the element-wise time.
+The GPU side is compared in docs/PLANNER.md ("Measured GPU runs"), not here.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from megatron_dualkv.flops import group_pairs
+from megatron_dualkv import planner
 from megatron_dualkv.planner import (
-    CPU_LOCAL, GIB, H100, Implementation, ModelShape, Parallel, Workload, make_plan, micro_batch_flops,
-    static_bytes, sweep,
+    CPU_LOCAL, GIB, H100, Implementation, MicroBatch, ModelShape, Parallel, Workload, make_plan, micro_batch_flops,
+    packed_step, static_bytes, sweep, unfused_score_entries,
 )
 
 VOCAB = 256
@@ -224,10 +230,11 @@ def flash_style_stock_attention(tracker: LiveBytes):
 
 
 def measure_activations(size: str, recompute: str, p: int, n: int, r: int, pgs, monkeypatch, vocab: int = VOCAB,
-                        stock: Optional[str] = None) -> tuple[int, int]:
+                        stock: Optional[str] = None, unfused: bool = False) -> tuple[int, int]:
     """(bytes saved for backward, live peak of forward + backward) of one group: DualKV, or with
     `stock` the replicated batch through the stock GPTModel ('edges': our replicated_logprobs,
-    'all_rows': GPTModel's own loss over every row)."""
+    'all_rows': GPTModel's own loss over every row). unfused: the stock model keeps Megatron's own
+    DotProductAttention (the local spec's [rows, heads, S, S] scores) instead of a flash-style one."""
     import megatron_dualkv.ops.reference_backend as reference_backend
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron_dualkv.megatron.replicated import replicated_batch, replicated_logprobs
@@ -235,6 +242,8 @@ def measure_activations(size: str, recompute: str, p: int, n: int, r: int, pgs, 
     extra = {"full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
              "selective": dict(recompute_granularity="selective"),  # Megatron's default: core_attn
              "none": {}}[recompute]
+    if unfused:  # as the training script runs it (Megatron's --attention-softmax-in-fp32 is off by default)
+        extra["attention_softmax_in_fp32"] = False
     _, model = tiny_model(size, pgs, vocab, dualkv=stock is None, **extra)
     layout = one_group(p, n, r, vocab)
     # gradients go to a preallocated fp32 buffer (as Megatron DDP's main_grad), not to new tensors
@@ -249,7 +258,8 @@ def measure_activations(size: str, recompute: str, p: int, n: int, r: int, pgs, 
     exclude = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(main.values())}
     tracker = LiveBytes(exclude)
     monkeypatch.setattr(reference_backend, "attention", flash_style_attention(tracker))
-    monkeypatch.setattr(DotProductAttention, "forward", flash_style_stock_attention(tracker))
+    if not unfused:
+        monkeypatch.setattr(DotProductAttention, "forward", flash_style_stock_attention(tracker))
     batch = replicated_batch(layout)
     labels = torch.roll(batch.input_ids, -1, dims=1)
 
@@ -302,9 +312,131 @@ def test_saved_activations_and_peak_match_the_planner(megatron_cpu, monkeypatch,
         assert abs(saved / (want_saved - 2 * h * T * L) - 1) > 0.015
 
 
+def test_unfused_stock_attention_matches_megatrons_dot_product_attention(megatron_cpu, monkeypatch):
+    """`--no-dualkv` without TE runs Megatron's DotProductAttention: the planner's unfused terms
+    (bf16 probabilities per layer, q and K/V repeated to every query head, no LSE) against the bytes
+    that module really saves, and the peak with its score-sized backward gradients."""
+    p, n, r = 100, 6, 30
+    saved, peak = measure_activations("tiny", "none", p, n, r, megatron_cpu, monkeypatch, 16, "edges", unfused=True)
+    impl = dataclasses.replace(CPU_LOCAL, stock_logits="edges", stock_attention="unfused")
+    shape = ModelShape.preset("tiny", vocab_size=16)
+    plan = make_plan(shape, Parallel(distributed_optimizer=False), Workload(n, p, r, groups_per_step=1, dualkv=False),
+                     "none", impl)
+    m = plan.memory
+    assert abs(saved / (m["activations"] + m["logits"]) - 1) < 0.015, (saved, m["activations"] + m["logits"])
+    assert abs(peak / (m["activations"] + m["logits"] + m["transient"]) - 1) < 0.15
+    # the flash-style formula (no scores) misses them: the test can tell the two apart
+    flash = make_plan(shape, Parallel(distributed_optimizer=False), Workload(n, p, r, groups_per_step=1, dualkv=False),
+                      "none", dataclasses.replace(impl, stock_attention="flash")).memory
+    assert saved / (flash["activations"] + flash["logits"]) - 1 > 0.15
+
+
 # ------------------------------------------------------------------------------------------------
 # Arithmetic of the model
 # ------------------------------------------------------------------------------------------------
+
+def test_unfused_attention_terms_are_the_derived_formula():
+    """Per layer: 2 B x rows x heads/TP x S^2 probabilities saved, 4 B more in backward (two
+    score-sized bf16 gradients), the baddbmm buffer (2 B) kept by Megatron's global buffer; per
+    token q, K and V repeated to Hq heads (6 Hq d B) and the output (2 Hq d B) instead of the flash
+    kernel's q, k, v, output and fp32 LSE."""
+    shape = ModelShape.preset("8b", num_layers=3)
+    L, d, hq, hkv = 3, 128, 32, 8
+    for tp in (1, 2):
+        par = Parallel(tp=tp, distributed_optimizer=False)
+        mb = MicroBatch(5 * 3000, 0, 5 * 3000, 5 * 900, 5, "5 rows", row_width=3000)
+        work = Workload(5, 2100, 900, groups_per_step=1, dualkv=False)
+        unf = Implementation(stock_logits="edges", stock_attention="unfused")
+        flash = dataclasses.replace(unf, stock_attention="flash")
+        scores = 5 * (hq // tp) * 3000 ** 2
+        assert unfused_score_entries(shape, par, unf, False, mb) == scores
+        assert unfused_score_entries(shape, par, flash, False, mb) == 0
+        assert unfused_score_entries(shape, par, unf, True, mb) == 0  # DualKV never has scores
+        a, b = planner._memory(shape, par, work, "none", unf, mb), planner._memory(shape, par, work, "none", flash, mb)
+        per_token = (6 * hq * d + 2 * hq * d - (2 * (hq + 2 * hkv) * d + 2 * hq * d + 4 * hq)) / tp
+        assert a["activations"] - b["activations"] == pytest.approx(L * (2 * scores + per_token * mb.tokens))
+        sp_gather = 2 * shape.hidden_size * mb.tokens if tp > 1 else 0
+        assert a["buffers"] == 2 * scores and b["buffers"] == sp_gather
+    with pytest.raises(ValueError, match="context parallelism"):
+        unfused_score_entries(shape, Parallel(cp=2), unf, False, mb)
+
+
+def test_stock_edges_logits_are_the_derived_peak():
+    """replicated_logprobs: GPTModel returns [b, s, v] = a contiguous copy of the [s, b, v] logits, so
+    the output layer's backward holds the gradient and its contiguous copy (4 B per [row, vocab/TP]
+    entry) with its input and weight gradients; the forward's edge rows take bf16 + fp32 cast + its
+    division (10 B per edge entry) beside the 2 B logits; the log-softmax (TP=1) or Megatron's CE keeps
+    4 B per edge entry."""
+    shape = ModelShape.preset("8b", num_layers=2)
+    h = shape.hidden_size
+    for tp, rows, edges in ((1, 24560, 6023), (2, 49120, 9125), (1, 24560, 20000)):
+        par = Parallel(tp=tp, distributed_optimizer=False)
+        mb = MicroBatch(rows, 0, rows, edges, 8, "x", row_width=rows // 8)
+        work = Workload(8, 2048, 1000, dualkv=False)
+        m = planner._memory(shape, par, work, "none", Implementation(stock_logits="edges"), mb)
+        v = shape.vocab_size / tp
+        want = max(4 * rows * v + 2 * h * rows + 2 * h * v, (2 * rows + 10 * edges) * v, (12 if tp == 1 else 8) * edges * v)
+        assert m["logits"] == 4 * edges * v
+        assert m["transient"] == pytest.approx(want - 4 * edges * v)  # the logits outweigh the layers' workspace here
+
+
+def test_time_counts_unfused_squares_and_element_wise_passes():
+    """The unfused stock attention multiplies full S x S squares per (row, head) at the matmul rate;
+    the element-wise passes over the logits and the scores cost their HBM bytes (counted per op)."""
+    shape = ModelShape.preset("8b", num_layers=2)
+    par = Parallel(tp=2, distributed_optimizer=False)
+    unf = Implementation(stock_logits="edges", stock_attention="unfused")
+    mb = MicroBatch(8 * 3000, 8 * (2000 * 2001 // 2), 8 * 3000, 8 * 1000, 8, "8 rows", row_width=3000)
+    plan = make_plan(shape, par, Workload(8, 2000, 1000, groups_per_step=1, dualkv=False), "none", unf)
+    t = planner.micro_batch_time(plan, mb)
+    scores = 8 * 16 * 3000 ** 2  # rows x heads/TP x S^2
+    assert t["attention"] == pytest.approx(3 * 2 * 4 * 128 * scores / (H100.matmul_tflops * 1e12))
+    v = shape.vocab_size / 2
+    want = (10 * 24000 * v + 84 * 8000 * v) + 30 * 2 * scores  # rows, edges (TP > 1), scores of 2 layers
+    assert t["memory_bound"] == pytest.approx(want / (H100.hbm_gbps * 1e9))
+    dual = make_plan(shape, par, Workload(8, 2000, 1000, groups_per_step=1))
+    edges = dual.largest.loss_edges
+    assert planner.micro_batch_time(dual, dual.largest)["memory_bound"] == pytest.approx(
+        64 * edges * v / (H100.hbm_gbps * 1e9))  # no scores: the [edges, vocab/TP] passes only
+
+
+def test_packed_step_is_what_the_training_script_runs():
+    """A PackedStep from the packer's plan: DualKV micro-batches padded to the TP multiple, and the
+    --no-dualkv rows exactly as megatron.replicated.replicated_batch builds them from the same
+    micro-batches; the step's peak is the worst micro-batch, not the one with the most tokens."""
+    from megatron_dualkv.data import RolloutGroup
+    from megatron_dualkv.megatron.replicated import replicated_batch
+    from megatron_dualkv.packing import PackingConfig, build_micro_batches, plan_packing
+
+    g = torch.Generator().manual_seed(5)
+    ids = lambda k: torch.randint(1, 200, (k,), generator=g).tolist()
+    records = [RolloutGroup(group_id=f"g{i}", prompt=ids(40 + 13 * i), responses=[ids(5 + 7 * j + i) for j in range(3 + i % 3)],
+                            advantages=[0.5] * (3 + i % 3)) for i in range(6)]
+    cfg = PackingConfig(max_tokens=240, dp_size=2, pad_to_multiple=2, vocab_size=200, seed=3)
+    plan = plan_packing(records, cfg)
+    dual, stock = packed_step(records, plan, True, 2), packed_step(records, plan, False, 2)
+    assert dual.useful_totals() == stock.useful_totals()
+    assert dual.useful_totals()[0] == sum(len(r.prompt) + sum(r.response_lengths) for r in records)
+    for rank in range(2):
+        built = build_micro_batches(records, plan, rank, "cpu")
+        assert len(built) == len(dual.ranks[rank]) == len(stock.ranks[rank])
+        for mb, d, s in zip(built, dual.ranks[rank], stock.ranks[rank]):
+            batch = replicated_batch(mb.layout, pad_to_multiple=2)
+            assert (s.responses, s.row_width) == tuple(batch.input_ids.shape)
+            assert s.loss_edges == d.loss_edges == d.logit_rows == mb.layout.num_edges
+            assert d.tokens == mb.layout.num_tokens and d.tokens % 2 == 0
+    shape = ModelShape.preset("tiny")
+    par = Parallel(tp=2, dp=2, distributed_optimizer=False)
+    impl = Implementation(stock_logits="edges", stock_attention="unfused")
+    plan_stock = make_plan(shape, par, stock, "none", impl)
+    each = [planner._memory(shape, par, stock, "none", impl, mb, plan_stock.memory["buffers"])["total"]
+            for mb in stock.micro_batches()]
+    assert plan_stock.memory["total"] == max(each)
+    assert plan_stock.memory["buffers"] == max(2 * unfused_score_entries(shape, par, impl, False, mb)
+                                               for mb in stock.micro_batches())
+    assert plan_stock.micro_batches_per_rank == plan.num_micro_batches_per_rank
+    with pytest.raises(ValueError, match="data-parallel ranks"):
+        make_plan(shape, Parallel(tp=2, dp=1), stock, "none", impl)
 
 def test_preset_parameter_counts_are_the_published_sizes():
     q8, q30 = ModelShape.preset("8b"), ModelShape.preset("30b-a3b")

@@ -8,6 +8,10 @@
         --kv-channels 128 --vocab 151936 --tp 2 --dp 4 --n 32 --p 8192 --r 2048 --max-tokens 40960
     # choose the degrees: every layout of --world GPUs that fits, fastest predicted step first
     python tools/plan_memory.py --model 30b-a3b --sweep --world 16 --n 32 --p 8192 --r 2048
+    # a rollout file packed exactly as examples/pretrain_grpo_dualkv.py packs it (its first step),
+    # DualKV and its --no-dualkv baseline (local spec: unfused attention), as docs/PLANNER.md compares
+    python tools/plan_memory.py --model 8b --layers 4 --tp 2 --rollouts r.parquet --groups-per-step 8 \
+        --max-tokens 16384 --no-distributed-optimizer --stock-logits edges --stock-attention unfused
 
 The model behind it is megatron_dualkv/planner.py; docs/PLANNER.md states every formula and
 every assumed rate. Times are predictions from assumed achieved rates, not measurements.
@@ -25,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 warnings.filterwarnings("ignore")
 
 from megatron_dualkv.planner import (  # noqa: E402
-    GIB, RECOMPUTE, Hardware, Implementation, ModelShape, Parallel, Workload, make_plan, sweep,
+    GIB, RECOMPUTE, Hardware, Implementation, ModelShape, Parallel, Workload, make_plan, packed_step, sweep,
 )
 
 PRESETS = ("tiny", "tiny-moe", "8b", "30b-a3b")
@@ -55,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DualKV: sub-groups of this many responses (each with the prompt); stock: sequences")
     w.add_argument("--groups-per-micro-batch", type=int, default=1)
     w.add_argument("--max-tokens", type=int, default=None, help="token budget of a micro-batch (packer's)")
+    w.add_argument("--rollouts", default=None,
+                   help="plan this rollout file's first step as the training script packs it (--groups-per-step, "
+                        "--max-tokens, --packing-seed, padding to TP under SP) instead of uniform N, P, R")
+    w.add_argument("--packing-seed", type=int, default=0, help="with --rollouts: the training script's --packing-seed")
     w.add_argument("--recompute", choices=RECOMPUTE, default="none")
     mode = w.add_mutually_exclusive_group()
     mode.add_argument("--no-dualkv", action="store_true", help="stock (replicated) batch only")
@@ -66,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     i.add_argument("--with-entropy", action="store_true")
     i.add_argument("--stock-logits", choices=("all_rows", "edges"), default="all_rows",
                    help="stock loss: Megatron's cross entropy over every row, or our --no-dualkv baseline (edges)")
+    i.add_argument("--stock-attention", choices=("flash", "unfused"), default="flash",
+                   help="stock core attention: TE/cuDNN flash, or Megatron's local unfused DotProductAttention "
+                        "(what --no-dualkv runs without Transformer Engine)")
     i.add_argument("--logits-chunk-rows", type=int, default=None,
                    help="the model's opt-in --logits-chunk-rows: logits computed and recomputed in chunks of rows")
     h = ap.add_argument_group("hardware and assumed rates (defaults: docs/PLANNER.md)")
@@ -112,9 +123,10 @@ def describe(plan) -> dict:
     m, t = plan.memory, plan.time
     mb = plan.largest
     return {
-        "micro-batch (largest)": f"{mb.what}: {mb.tokens} tokens, {mb.logit_rows} logit rows",
+        "micro-batch at the peak": f"{mb.what}: {mb.tokens} tokens, {mb.logit_rows} logit rows",
         "micro-batches per DP rank": str(plan.micro_batches_per_rank),
         "weights bf16 GiB": gib(m["weights"]),
+        "Megatron global buffer GiB": gib(m["buffers"]),
         "main grads fp32 GiB": gib(m["grads"]),
         "Adam fp32 (master, m, v) GiB": gib(m["optimizer"]),
         "activations saved GiB": gib(m["activations"]),
@@ -126,6 +138,7 @@ def describe(plan) -> dict:
         "executed TFLOP per step": f"{plan.flops['executed'] / 1e12:.0f}",
         "time: dense / expert / logits s": f"{t['dense']:.2f} / {t['expert']:.2f} / {t['logits']:.2f}",
         "time: attention s": f"{t['attention']:.2f}",
+        "time: element-wise passes (HBM) s": f"{t['memory_bound']:.2f}",
         "time: TP / CP / EP comm s": f"{t['tp_comm']:.2f} / {t['cp_comm']:.2f} / {t['ep_comm']:.2f}",
         "time: grad sync + optimizer s": f"{t['grad_sync'] + t['optimizer']:.2f}",
         "step time s (predicted)": f"{plan.step_time_s:.2f}",
@@ -137,20 +150,25 @@ def describe(plan) -> dict:
 def print_single(args, shape, hw) -> None:
     par = Parallel(tp=args.tp, cp=args.cp, dp=args.dp, ep=args.ep, etp=args.etp, sp=False if args.no_sp else None,
                    distributed_optimizer=not args.no_distributed_optimizer, cp_comm=args.cp_comm)
-    impl = Implementation(norm=args.norm, rope=args.rope, swiglu=args.swiglu, with_entropy=args.with_entropy,
-                          stock_logits=args.stock_logits, logits_chunk_rows=args.logits_chunk_rows)
+    impl = implementation_from(args)
     modes = [False] if args.no_dualkv else [True] if args.dualkv_only else [True, False]
+    packed = packed_rollouts(args, shape, par) if args.rollouts else None
     cols, notes = {}, []
     for dualkv in modes:
-        work = Workload(n=args.n, p=args.p, r=args.r, groups_per_step=args.groups_per_step, dualkv=dualkv,
-                        responses_per_micro_batch=args.responses_per_micro_batch,
-                        groups_per_micro_batch=args.groups_per_micro_batch, max_tokens=args.max_tokens)
+        if packed is not None:
+            records, packing, pad = packed
+            work = packed_step(records, packing, dualkv, pad, name=os.path.basename(args.rollouts))
+        else:
+            work = Workload(n=args.n, p=args.p, r=args.r, groups_per_step=args.groups_per_step, dualkv=dualkv,
+                            responses_per_micro_batch=args.responses_per_micro_batch,
+                            groups_per_micro_batch=args.groups_per_micro_batch, max_tokens=args.max_tokens)
         plan = make_plan(shape, par, work, args.recompute, impl, hw)
         cols["DualKV" if dualkv else "stock (replicated)"] = describe(plan)
         notes += [n for n in plan.notes if n not in notes]
+    what = (f"{args.rollouts}: {len(packed[0])} groups packed at {args.max_tokens} tokens per micro-batch" if packed
+            else f"N={args.n} P={args.p} R={args.r}, {args.groups_per_step} groups per step")
     print(f"# {shape.name}: {shape.total_params() / 1e9:.2f}B parameters ({shape.active_params_per_token() / 1e9:.2f}B "
-          f"active per token in the layers); {par.label()} on {par.world} x {hw.name}; N={args.n} P={args.p} R={args.r}, "
-          f"{args.groups_per_step} groups per step; recompute {args.recompute}\n")
+          f"active per token in the layers); {par.label()} on {par.world} x {hw.name}; {what}; recompute {args.recompute}\n")
     names = list(cols)
     print("| | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
@@ -160,9 +178,35 @@ def print_single(args, shape, hw) -> None:
         print(f"\nnote: {n}")
 
 
+def implementation_from(args) -> Implementation:
+    return Implementation(norm=args.norm, rope=args.rope, swiglu=args.swiglu, with_entropy=args.with_entropy,
+                          stock_logits=args.stock_logits, logits_chunk_rows=args.logits_chunk_rows,
+                          stock_attention=args.stock_attention)
+
+
+def packed_rollouts(args, shape, par):
+    """(records, packing plan, padding multiple) of the rollout file's first step, packed by the
+    training script's own code (training.data.RolloutStepStream) with its budgets and balance."""
+    from megatron_dualkv.data import read_rollouts
+    from megatron_dualkv.packing import PackingConfig, flop_work_weights
+    from megatron_dualkv.training.data import RolloutStepStream
+
+    if args.max_tokens is None:
+        raise SystemExit("--rollouts needs --max-tokens (the training script's --max-tokens-per-micro-batch)")
+    pad = par.tp if par.sp and par.tp > 1 else 1  # training.args.pad_to_multiple
+    records = read_rollouts(args.rollouts, vocab_size=shape.vocab_size)
+    weights = flop_work_weights(shape.num_layers, shape.num_attention_heads, shape.kv_channels,
+                                shape.token_matmul_flops() / 2.0)
+    cfg = PackingConfig(max_tokens=(args.max_tokens // pad) * pad, dp_size=par.dp, pad_to_multiple=pad,
+                        vocab_size=shape.vocab_size, seed=args.packing_seed, **weights)
+    stream = RolloutStepStream(records, groups_per_step=args.groups_per_step, micro_batches_per_step=len(records) * 64,
+                               packing=cfg, dp_rank=0, seed=args.packing_seed)
+    step_records, plan = stream.plan_batch(0)
+    return step_records, plan, pad
+
+
 def print_sweep(args, shape, hw) -> None:
-    impl = Implementation(norm=args.norm, rope=args.rope, swiglu=args.swiglu, with_entropy=args.with_entropy,
-                          stock_logits=args.stock_logits, logits_chunk_rows=args.logits_chunk_rows)
+    impl = implementation_from(args)
     modes = (False,) if args.no_dualkv else (True,) if args.dualkv_only else (True, False)
     plans = sweep(shape, args.world, args.n, args.p, args.r, args.groups_per_step, modes, impl, hw,
                   max_cp=1 if args.no_cp else args.max_cp)
