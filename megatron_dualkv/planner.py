@@ -389,21 +389,22 @@ def layer_activation_terms(shape: ModelShape, impl: Implementation, dualkv: bool
         "attn_out_lse": 2 * hq * d + 4 * hq,  # output (also linear_proj's input) and fp32 LSE
         "mlp_norm": norm_h,
     }
-    if dualkv:
-        # The DualKV core attention hands the kernels dense K and V copies, so nothing keeps the
-        # fused QKV output alive (its V view was the last holder).
+    # Who keeps the fused QKV output (K and V are views of it) alive until backward: the fused
+    # k-norm, which saves its input, that view (torch's _fused_rms_norm on CUDA, checked under
+    # FakeTensorMode in tests/test_planner.py; the composite CPU norm saves a fp32 copy instead), or
+    # an attention that saves V as the view (the flash-style stock attention without its own copy).
+    # The DualKV core attention and the unfused stock attention copy K and V.
+    k_norm_keeps_view = shape.qk_layernorm and impl.norm == "fused"
+    attention_keeps_view = not dualkv and impl.stock_attention == "flash" and not impl.attention_copies_v
+    if not (k_norm_keeps_view or attention_keeps_view):
         t["qkv_output"] = 0
-    elif impl.stock_attention == "unfused":
+    if not dualkv and impl.stock_attention == "unfused":
         # Megatron's DotProductAttention: repeat_interleave copies K and V to every query head, the
         # score bmm saves q and the repeated K, the context bmm the repeated V (and the probabilities:
         # per micro-batch, unfused_score_entries); no LSE. The rotated K dies (the copy's backward
         # needs no input).
         t["attn_qkv"] = 2 * 3 * hq * d
         t["attn_out_lse"] = 2 * hq * d
-        if impl.norm == "composite":
-            # the composite k-norm saves its own fp32 copy and V is copied: nothing holds the fused
-            # QKV output (the fused norm saves its input, a view of it, which keeps it)
-            t["qkv_output"] = 0
     if shape.is_moe:
         f, k, E = shape.moe_ffn_hidden_size, shape.moe_router_topk, shape.num_moe_experts
         t["router"] = 2 * h + 4 * E + 44 * k + 5  # input, fp32 scores, top-k probs/indices, permutation maps
@@ -565,7 +566,7 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
         saved = per_layer
         if recompute == "selective":  # core attention recomputed: its inputs are kept, output and LSE not
             saved -= (4 * shape.num_attention_heads / tp) * tokens
-            if work.dualkv and not impl.attention_copies_v:
+            if work.dualkv and not impl.attention_copies_v and not terms["qkv_output"]:
                 # the checkpoint keeps V as Megatron made it, a view of the fused QKV output, and
                 # never sees the core attention's dense copy
                 d, hq, hkv = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups

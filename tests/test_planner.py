@@ -361,6 +361,38 @@ def test_unfused_attention_terms_are_the_derived_formula():
         unfused_score_entries(shape, Parallel(cp=2), unf, False, mb)
 
 
+def test_fused_k_norm_keeps_the_fused_qkv_output_alive():
+    """On CUDA torch's RMSNorm (Megatron's local norm) runs _fused_rms_norm, which saves its input:
+    for K that is a view of the fused QKV output, so the whole QKV output lives until backward even
+    though the DualKV core attention copies K and V. The composite (CPU) norm saves a fp32 copy."""
+    import subprocess
+    import sys
+
+    # its own process: this module's Megatron CPU shims map device="cuda" to the CPU
+    probe = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+saved = []
+with FakeTensorMode():  # CUDA dispatch without a GPU
+    qkv = torch.empty(64, 1, 8, 6 * 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    weight = torch.empty(128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    _, key, _ = torch.split(qkv, [4 * 128, 128, 128], dim=3)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.rms_norm(key, (128,), weight, 1e-6)
+    print([t.untyped_storage().nbytes() for t in saved if t.dtype == torch.bfloat16 and t.dim() == 4])
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str([64 * 8 * 6 * 128 * 2])  # the saved K: all of the QKV storage
+    shape = ModelShape.preset("8b")
+    d, hq, hkv = 128, 32, 8
+    assert planner.layer_activation_terms(shape, Implementation(), dualkv=True)["qkv_output"] == 2 * (hq + 2 * hkv) * d
+    assert planner.layer_activation_terms(shape, CPU_LOCAL, dualkv=True)["qkv_output"] == 0
+    unfused_cpu = dataclasses.replace(CPU_LOCAL, stock_attention="unfused")
+    assert planner.layer_activation_terms(shape, unfused_cpu, dualkv=False)["qkv_output"] == 0  # V copied too
+    assert planner.layer_activation_terms(shape, CPU_LOCAL, dualkv=False)["qkv_output"] > 0  # V saved as the view
+
+
 def test_stock_edges_logits_are_the_derived_peak():
     """replicated_logprobs: GPTModel returns [b, s, v] = a contiguous copy of the [s, b, v] logits, so
     the output layer's backward holds the gradient and its contiguous copy (4 B per [row, vocab/TP]
