@@ -565,7 +565,8 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
     else:
         saved = per_layer
         if recompute == "selective":  # core attention recomputed: its inputs are kept, output and LSE not
-            saved -= (4 * shape.num_attention_heads / tp) * tokens
+            if not scores:  # (the unfused attention has no LSE)
+                saved -= (4 * shape.num_attention_heads / tp) * tokens
             if work.dualkv and not impl.attention_copies_v and not terms["qkv_output"]:
                 # the checkpoint keeps V as Megatron made it, a view of the fused QKV output, and
                 # never sees the core attention's dense copy
