@@ -425,3 +425,24 @@ def test_core_attention_hands_dense_tensors_to_the_kernels(pgs, monkeypatch):
     model, _ = _pair(pgs)
     model(layout=build_layout(_groups(), vocab_size=VOCAB))
     assert seen and all(all(s) for s in seen), seen
+
+
+def test_a_micro_batch_is_freed_without_the_garbage_collector(pgs):
+    """Nothing a forward/backward caches on a layout refers back to it: with the collector off
+    (Megatron's --manual-gc), dropping the layout frees it and its cached device tensors at once.
+    (The packed-sequence params, which hold the layout, were once cached on it: a cycle.)"""
+    import gc
+    import weakref
+
+    model, _ = _pair(pgs)
+    layout = build_layout(_groups(), vocab_size=VOCAB, pad_to_multiple=8)
+    gc.collect()
+    gc.disable()
+    try:
+        out = model(layout=layout, with_entropy=True)
+        _loss(out, torch.ones(2, layout.num_edges)).backward()
+        ref = weakref.ref(layout)
+        del layout, out
+        assert ref() is None, f"the layout outlives its last reference: {gc.get_referrers(ref())}"
+    finally:
+        gc.enable()

@@ -59,29 +59,29 @@ def dualkv_packed_seq_params(layout: PackedLayout | CPShard, host_cu_seqlens: bo
     rotary table the model gathers per-token positions from). host_cu_seqlens keeps cu_seqlens on
     the CPU: Megatron's unfused THD RoPE reads it with .tolist()/.item() in every layer, which
     would be a device sync each time; TE's fused RoPE (config.apply_rope_fusion) needs it on the
-    device. Cached on the layout.
+    device. Not cached on the layout: the params refer to the layout, and a layout caching them
+    would be a reference cycle that keeps each micro-batch's device tensors (rotary table, work
+    lists) alive until the garbage collector runs (Megatron's --manual-gc delays that); the model
+    builds them once per forward.
     A `CPShard` (context parallelism): the shard's global layout, cu_seqlens = [0, cp * L] (L rows
     per rank), and the shard itself for the core attention.
     """
     shard = layout if isinstance(layout, CPShard) else None
     full = shard.layout if shard is not None else layout
 
-    def build() -> DualKVPackedSeqParams:
-        device = "cpu" if host_cu_seqlens else full.device
-        total = full.num_tokens if shard is None else shard.cp_size * shard.num_local
-        cu = torch.tensor([0, total], dtype=torch.int32, device=device)
-        limit = rotary_position_limit(full)
-        return DualKVPackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=limit,
-            max_seqlen_kv=limit,
-            layout=full,
-            cp_shard=shard,
-        )
-
-    return layout.cached(("megatron_packed_seq_params", host_cu_seqlens), build)
+    device = "cpu" if host_cu_seqlens else full.device
+    total = full.num_tokens if shard is None else shard.cp_size * shard.num_local
+    cu = torch.tensor([0, total], dtype=torch.int32, device=device)
+    limit = rotary_position_limit(full)
+    return DualKVPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=limit,
+        max_seqlen_kv=limit,
+        layout=full,
+        cp_shard=shard,
+    )
 
 
 CP_COMM_TYPES = (None, "all_gather", "a2a")
