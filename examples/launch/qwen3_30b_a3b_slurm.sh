@@ -11,7 +11,9 @@
 # (expert TP=1, expert DP=2), PP=1, CP=1, full recomputation, 40,960 tokens per micro-batch.
 # Chosen with tools/plan_memory.py for the issue-8 workload (N=32 responses of R=2048 tokens on a
 # P=8192-token prompt, 128 groups per step); predictions from assumed rates, not measured on a GPU
-# (docs/PLANNER.md; numbers from the planner at commit dc30cb8):
+# (docs/PLANNER.md; numbers from the planner at commit dc30cb8; its calibration against the
+# measured GPU runs of 2026-11-22 moved them by 1-3 %, e.g. this layout 64.6 GiB and 121.5 s,
+# and did not change the choice):
 #     python tools/plan_memory.py --model 30b-a3b --sweep --world 16 --n 32 --p 8192 --r 2048 \
 #         --groups-per-step 128 --no-cp --dualkv-only
 #   | layout                      | recompute | responses per sub-group | mb/rank | GiB  | step s |
