@@ -92,7 +92,8 @@ struct BwdSmem {
   static constexpr int kStgBytes = kTmaDQ ? 2 * kQTB * 64 * (int)sizeof(float) : 0;
   static constexpr int kL = kStg + kStgBytes;                           // [kStagesB][kQTB] lse
   static constexpr int kDl = kL + kStagesB * kQTB * (int)sizeof(float);  // [kStagesB][kQTB] delta
-  static constexpr int kBar = kDl + kStagesB * kQTB * (int)sizeof(float);
+  static constexpr int kTd = kDl + kStagesB * kQTB * (int)sizeof(float);  // [kStagesB] int4 tile descriptor
+  static constexpr int kBar = kTd + kStagesB * 16;
   static constexpr int kBarCount = 1 + 2 * kStagesB;  // kv_full, q_full[], empty[]
   static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
   static_assert(kStg % 1024 == 0, "the 128-byte swizzle of the dQ staging tile needs a 1024-aligned base");
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   T* sdS = reinterpret_cast<T*>(base + L::kDS);
   float* sL = reinterpret_cast<float*>(base + L::kL);
   float* sDl = reinterpret_cast<float*>(base + L::kDl);
+  int4* sTd = reinterpret_cast<int4*>(base + L::kTd);
   float* sStg = reinterpret_cast<float*>(base + L::kStg);  // kTmaDQ only
   const uint32_t bar0 = smem_addr(base + L::kBar);
   const uint32_t kv_full = bar0;
@@ -146,37 +148,20 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = w[4];
   const int n_iter = per_head * group;
 
-  // query tile i of a head: packed rows q0..qend (64 at most used), held from local row ql.
-  // The first two ranges (a key tile's own rows and its root's children: all of them for a
-  // whole micro-batch) are read once into registers rather than loaded every step (docs/PERF.md
-  // "CUDA local queries"); further ranges (local queries) are read when reached.
+  // query tile i of a head: packed rows q0..qend (64 at most used), held from local row ql. Only
+  // the producer walks the ranges; it hands each step's (q0, qend, ql, causal) to the consumers in
+  // the stage's shared-memory descriptor, published by its q_full arrival like lse and delta
+  // (consumer registers: keeping the first two ranges there made the tma instance spill 28 bytes
+  // in the step loop; a global load per step cost 3-5 %, docs/PERF.md "CUDA local queries").
   const int4* ranges = reinterpret_cast<const int4*>(a.ranges);
-  const int4 g0 = rhi > rlo ? __ldg(ranges + rlo) : make_int4(0, 0, 0, 0);
-  const int4 g1 = rhi > rlo + 1 ? __ldg(ranges + rlo + 1) : make_int4(0, 0, 0, 0);
-  const int n0 = (g0.y - g0.x + kQTB - 1) / kQTB, n1 = (g1.y - g1.x + kQTB - 1) / kQTB;
-  auto query_tile = [&](int i, int& q0, int& qend, int& ql, bool& causal) {
-    int4 g = g0;
-    if (i >= n0) {
-      i -= n0;
-      g = g1;
-      if (i >= n1) {
-        i -= n1;
-        g = make_int4(0, 0, 0, 0);
-        for (int r = rlo + 2; r < rhi; ++r) {
-          const int4 gr = __ldg(ranges + r);
-          const int n = (gr.y - gr.x + kQTB - 1) / kQTB;
-          if (i < n) {
-            g = gr;
-            break;
-          }
-          i -= n;
-        }
-      }
+  auto query_tile = [&](int i) -> int4 {
+    for (int r = rlo; r < rhi; ++r) {
+      const int4 g = __ldg(ranges + r);
+      const int n = (g.y - g.x + kQTB - 1) / kQTB;
+      if (i < n) return make_int4(g.x + i * kQTB, g.y, g.z + i * kQTB, g.w);
+      i -= n;
     }
-    q0 = g.x + i * kQTB;
-    qend = g.y;
-    ql = g.z + i * kQTB;
-    causal = g.w != 0;
+    return make_int4(0, 0, 0, 0);
   };
 
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
@@ -213,10 +198,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int st = stage(i);
         if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
         const int h = hk * group + i / per_head;
-        int q0, qend, ql;
-        bool causal;
-        query_tile(i % per_head, q0, qend, ql, causal);
+        const int4 td = query_tile(i % per_head);
+        const int q0 = td.x, qend = td.y, ql = td.z;
         if (lane == 0) {
+          sTd[st] = td;
           mbar_expect_tx(q_full(st), 2 * kQTB * D * sizeof(T));
 #pragma unroll
           for (int p = 0; p < D / 64; ++p) {
@@ -254,9 +239,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   mbar_wait(kv_full, 0);
   for (int it = 0; it < n_iter; ++it) {
     const int st = stage(it);
-    int q0, qend, ql;
-    bool causal;
-    query_tile(it % per_head, q0, qend, ql, causal);
     const int h = hk * group + it / per_head;
     const T* cQ = sQ + st * kQTB * D;
     const T* cdO = sdO + st * kQTB * D;
@@ -264,6 +246,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const float* cD = sDl + st * kQTB;
     T* cdS = sdS + (it & 1) * kKVB * kQTB;
     mbar_wait(q_full(st), parity(it));
+    const int4 td = sTd[st];  // written by the producer before its q_full arrival
+    const int q0 = td.x, qend = td.y, ql = td.z;
+    const bool causal = td.w != 0;
 
     float s[32], dp[32];
     wg_fence();
