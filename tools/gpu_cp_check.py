@@ -147,7 +147,9 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
         )
         model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False, attention_backend=backend,
                                    cp_chunks_per_rank=args.chunks_per_rank, cp_chunk_multiple=chunk_multiple)
-        model.to(device)
+        # as Megatron's Float16Module does in training: every parameter in the run's dtype (torch
+        # norms are built in float32 otherwise, which keeps RMSNorm off its fused kernel in bf16)
+        model.to(device=device, dtype=dtype)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if weights is not None:
