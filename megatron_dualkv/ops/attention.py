@@ -6,9 +6,9 @@ the first one that is available for the inputs and says once, in one line, which
 The environment variable MEGATRON_DUALKV_ATTENTION_BACKEND forces one.
 
 Local queries (context parallelism): `q_rows` gives the packed row of every query when q holds
-only some rows while k, v hold all of them. Backends that accept it set `SUPPORTS_Q_ROWS = True`
-(reference, flex) or define `supports_q_rows() -> (ok, reason)` (cuda: ws kernels, fast-mode
-backward); the others are skipped with that reason.
+only some rows while k, v hold all of them. Every backend says whether it takes them with
+`supports_q_rows() -> (ok, reason)` (reference, flex: always; cuda: its ws kernels, fast-mode
+backward); a backend that does not is skipped with its reason.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ def backend_status(name: str, q: Tensor, local_queries: bool = False) -> tuple[b
     if mod is None:
         return False, why
     if local_queries:
-        probe = getattr(mod, "supports_q_rows", None)
-        ok, why = probe() if probe else (getattr(mod, "SUPPORTS_Q_ROWS", False), "")
+        ok, why = mod.supports_q_rows()
         if not ok:
-            return False, why or "does not take local queries against gathered keys (q_rows)"
+            return False, why
     return mod.is_available(q)
 
 

@@ -56,7 +56,6 @@ except ImportError as exc:  # pragma: no cover - depends on the torch build
 BLOCK = 128  # sparse block size (query and key); the compiled input is shaped in these blocks
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-SUPPORTS_Q_ROWS = True  # local queries against all keys (context parallelism)
 _KERNEL_ENV = "MEGATRON_DUALKV_FLEX_KERNEL"
 
 
@@ -100,6 +99,11 @@ def is_available(q: Tensor) -> tuple[bool, str]:
 
     if not has_triton():
         return False, "Triton is not installed (FlexAttention compiles Triton kernels)"
+    return True, ""
+
+
+def supports_q_rows() -> tuple[bool, str]:
+    """Local queries against all keys (context parallelism): always taken."""
     return True, ""
 
 

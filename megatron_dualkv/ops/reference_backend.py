@@ -9,7 +9,10 @@ from torch import Tensor
 from ..layout import SegmentTable
 from .reference import reference_attention
 
-SUPPORTS_Q_ROWS = True  # local queries against all keys (context parallelism)
+
+def supports_q_rows() -> tuple[bool, str]:
+    """Local queries against all keys (context parallelism): always taken."""
+    return True, ""
 
 
 def is_available(q: Tensor) -> tuple[bool, str]:
