@@ -19,11 +19,11 @@ from test_distributed import (
     assert_grads_equal,
     gather_full_grads,
     grpo_loss_sum,
+    rank_placements,
     recorded_router_losses,
-    shard_of,
-    take_shard,
 )
 
+from megatron_dualkv.checkpoint.sharding import take_shard
 from megatron_dualkv.cp import cp_partition, key_counts
 from megatron_dualkv.layout import Group, build_layout
 from megatron_dualkv.ops import dualkv_attention, flex_backend
@@ -329,7 +329,7 @@ def cp_train_step(moe: bool, cp: int, tp: int, sp: bool, overrides: tuple, repli
         )
         model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False,
                                    cp_chunks_per_rank=CHUNKS_PER_RANK, cp_chunk_multiple=chunk_multiple)
-        shards = {n: shard_of(n, p, cfg.transformer, pgs) for n, p in model.named_parameters()}
+        shards = rank_placements(model, pgs)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if weights is not None:

@@ -13,7 +13,6 @@ every comparison happens here in the pytest process.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -21,6 +20,8 @@ import pytest
 import torch
 
 from megatron_cpu import GlooWorkers
+
+from megatron_dualkv.checkpoint.sharding import Placement, join_shards, parameter_placements, take_shard
 
 VOCAB = 256  # qwen3_config("tiny") / ("tiny-moe"): hidden 64, 2 layers, 4 heads, 2 query groups; MoE 4 experts top-2
 
@@ -130,61 +131,13 @@ def grpo_loss_sum(logprobs, mb: dict, global_num_tokens: float):
 # Sharding: full (TP=1, EP=1) parameter names and tensors <-> this rank's shards
 # ------------------------------------------------------------------------------------------------
 
-_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+# The package's own placements (megatron_dualkv.checkpoint.sharding, which the HF export uses too),
+# with the process groups dropped so that they travel back from the workers.
 
 
-@dataclass(frozen=True)
-class Shard:
-    """Where a local parameter sits in the full one."""
-
-    full_name: str
-    dim: Optional[int]  # partition dim, None if replicated over the parameter's TP group
-    rank: int  # rank in the parameter's TP group
-    size: int  # size of the parameter's TP group
-    gated: bool  # swiglu fc1: [gate; up] each split separately
-
-
-def shard_of(name: str, param, config, pgs) -> Shard:
-    from megatron.core import parallel_state as ps
-
-    is_expert = not getattr(param, "allreduce", True)
-    full_name = name
-    if is_expert:
-        m = _LOCAL_EXPERT.search(name)
-        if m is None:
-            raise AssertionError(f"expert parameter {name} is not a SequentialMLP local expert")
-        per_rank = config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-        global_index = ps.get_expert_model_parallel_rank() * per_rank + int(m.group(1))
-        full_name = _LOCAL_EXPERT.sub(f"local_experts.{global_index}.", name)
-        rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    else:
-        rank, size = pgs.tp.rank(), pgs.tp.size()
-    split = getattr(param, "tensor_model_parallel", False) and size > 1
-    return Shard(
-        full_name=full_name,
-        dim=param.partition_dim if split else None,
-        rank=rank,
-        size=size,
-        gated=split and config.gated_linear_unit and name.endswith("linear_fc1.weight"),
-    )
-
-
-def take_shard(full: torch.Tensor, s: Shard) -> torch.Tensor:
-    if s.dim is None:
-        return full
-    if s.gated:
-        return torch.cat([half.chunk(s.size, s.dim)[s.rank] for half in full.chunk(2, s.dim)], s.dim)
-    return full.chunk(s.size, s.dim)[s.rank]
-
-
-def join_shards(parts: list[torch.Tensor], s: Shard) -> torch.Tensor:
-    """Inverse of take_shard; parts in TP-rank order."""
-    if s.dim is None:
-        return parts[0]
-    if s.gated:
-        halves = [p.chunk(2, s.dim) for p in parts]
-        return torch.cat([torch.cat([h[0] for h in halves], s.dim), torch.cat([h[1] for h in halves], s.dim)], s.dim)
-    return torch.cat(parts, s.dim)
+def rank_placements(model, pgs) -> dict[str, Placement]:
+    """Local parameter name -> where it sits in the full (TP=1, EP=1) parameter."""
+    return {n: replace(p, group=None, ep_group=None) for n, p in parameter_placements(model, pgs).items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,7 +171,7 @@ def train_step(case: Case, microbatches_per_replica: list, full_weights: Optiona
     with model_parallel(tp=case.tp, ep=case.ep) as pgs:
         cfg = model_config(case)
         model = build_model(kind, cfg, pgs)
-        shards = {n: shard_of(n, p, cfg.transformer, pgs) for n, p in model.named_parameters()}
+        shards = rank_placements(model, pgs)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if full_weights is not None:
