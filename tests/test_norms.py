@@ -5,7 +5,6 @@ tests/test_distributed.py and tests/test_context_parallel.py, which now build th
 through the package's specs (no test shim)."""
 
 import dataclasses
-import functools
 
 import pytest
 import torch
@@ -14,35 +13,28 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron_dualkv.megatron import specs
 from megatron_dualkv.megatron.config import qwen3_config
-from megatron_dualkv.megatron.norms import SequenceParallelTorchNorm, with_sequence_parallel_norms
+from megatron_dualkv.megatron.norms import SequenceParallelTorchNorm, map_spec, with_sequence_parallel_norms
 
 
-def norm_classes(x, out):
-    if x is WrappedTorchNorm or x is SequenceParallelTorchNorm:
-        out.append(x)
-    elif isinstance(x, ModuleSpec):
-        norm_classes(x.module, out), norm_classes(x.submodules, out)
-    elif isinstance(x, functools.partial):
-        [norm_classes(v, out) for v in x.keywords.values()]
-    elif isinstance(x, (list, tuple)):
-        [norm_classes(v, out) for v in x]
-    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-        [norm_classes(getattr(x, f.name), out) for f in dataclasses.fields(x)]
-    return out
+def norm_classes(spec) -> list:
+    """The torch-norm classes a spec names, in order (walked by the package's map_spec)."""
+    found = []
+    map_spec(spec, lambda x: (found.append(x) if x in (WrappedTorchNorm, SequenceParallelTorchNorm) else None) or x)
+    return found
 
 
 @pytest.mark.parametrize("size", ["tiny", "tiny-moe"])
 def test_local_specs_name_only_the_sequence_parallel_norm(size):
     cfg = qwen3_config(size).transformer
     stock = norm_classes(specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
-                                                          normalization=cfg.normalization, pp_rank=0), [])
+                                                          normalization=cfg.normalization, pp_rank=0))
     assert stock and set(stock) == {WrappedTorchNorm}
     for block in (specs.get_dualkv_decoder_block_spec(cfg, use_transformer_engine=False, pp_rank=0),
                   specs.get_replicated_decoder_block_spec(cfg, use_transformer_engine=False, pp_rank=0)):
-        ours = norm_classes(block, [])
+        ours = norm_classes(block)
         assert len(ours) == len(stock) and set(ours) == {SequenceParallelTorchNorm}
     layer = specs.get_dualkv_layer_spec(qk_layernorm=True, normalization="RMSNorm", use_transformer_engine=False)
-    assert set(norm_classes(layer, [])) == {SequenceParallelTorchNorm}
+    assert set(norm_classes(layer)) == {SequenceParallelTorchNorm}
     assert with_sequence_parallel_norms(ModuleSpec(module=torch.nn.Identity)).module is torch.nn.Identity
 
 

@@ -39,21 +39,22 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def with_sequence_parallel_norms(spec):
-    """A copy of a spec (ModuleSpec, submodules dataclass, partial, list) with every
-    `WrappedTorchNorm` replaced by `SequenceParallelTorchNorm`; anything else is kept as is."""
-    if spec is WrappedTorchNorm:
-        return SequenceParallelTorchNorm
+def map_spec(spec, fn):
+    """A copy of a spec (ModuleSpec, submodules dataclass, partial, list) with every module
+    reference x in it replaced by fn(x); containers are rebuilt, nothing else is touched."""
     if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=with_sequence_parallel_norms(spec.module),
-                                   submodules=with_sequence_parallel_norms(spec.submodules))
+        return dataclasses.replace(spec, module=map_spec(spec.module, fn), submodules=map_spec(spec.submodules, fn))
     if isinstance(spec, functools.partial):
-        return functools.partial(with_sequence_parallel_norms(spec.func), *spec.args,
-                                 **{k: with_sequence_parallel_norms(v) for k, v in spec.keywords.items()})
+        return functools.partial(map_spec(spec.func, fn), *spec.args,
+                                 **{k: map_spec(v, fn) for k, v in spec.keywords.items()})
     if isinstance(spec, (list, tuple)):
-        return type(spec)(with_sequence_parallel_norms(s) for s in spec)
+        return type(spec)(map_spec(s, fn) for s in spec)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: with_sequence_parallel_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)
-                   if f.init}
-        return dataclasses.replace(spec, **changes)
-    return spec
+        return dataclasses.replace(spec, **{f.name: map_spec(getattr(spec, f.name), fn)
+                                            for f in dataclasses.fields(spec) if f.init})
+    return fn(spec)
+
+
+def with_sequence_parallel_norms(spec):
+    """A copy of a spec with every `WrappedTorchNorm` replaced by `SequenceParallelTorchNorm`."""
+    return map_spec(spec, lambda x: SequenceParallelTorchNorm if x is WrappedTorchNorm else x)
