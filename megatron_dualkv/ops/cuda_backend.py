@@ -216,11 +216,11 @@ def row_items(segments: SegmentTable, row_tile: int = TILE, chunks: Optional[Que
     return items
 
 
-def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE) -> tuple[list, list, list]:
-    """Host work lists of the mma / sm90 kernels (every query row): row items (`row_items`), kv
-    items [k0, k1, seg_end, range_lo, range_hi, tiles_per_head, 0, 0] (key tiles; the query rows
-    that attend them: their own segment's rows from k0 on, causally, and the kv ranges
-    range_lo..range_hi), and kv ranges [q0, q1] (merged children of each root). Heaviest first."""
+def kv_items(segments: SegmentTable, kv_tile: int = TILE) -> tuple[list, list]:
+    """Key tiles of the mma / sm90 backward kernels (every query row): kv items [k0, k1, seg_end,
+    range_lo, range_hi, tiles_per_head, 0, 0] (the query rows that attend them: their own
+    segment's rows from k0 on, causally, and the kv ranges range_lo..range_hi) and kv ranges
+    [q0, q1] (merged children of each root; independent of kv_tile). Heaviest first."""
     _check_depth(segments)
     starts, lengths = segments.host_start, segments.host_length
     ranges: list[list[int]] = []
@@ -237,7 +237,12 @@ def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE
             kvs.append([k0, min(k0 + kv_tile, end), end, rlo, rhi,
                         _ceil(end - k0, TILE) + child_tiles, 0, 0])
     kvs.sort(key=lambda r: -r[5])
-    return row_items(segments, row_tile), kvs, ranges or [[0, 0]]
+    return kvs, ranges or [[0, 0]]
+
+
+def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE) -> tuple[list, list, list]:
+    """Host work lists of the mma / sm90 kernels: (`row_items`, *`kv_items`)."""
+    return (row_items(segments, row_tile), *kv_items(segments, kv_tile))
 
 
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128) -> tuple[list, list]:
@@ -275,9 +280,9 @@ class Work:
         ws_items, ws_ranges = ws_kv_work(segments, chunks)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
         if not self.local:
-            rw, kw, kr = build_work(segments)
-            _, kw128, _ = build_work(segments, row_tile=128, kv_tile=128)
-            self.rows64, self.kv64, self.kv128, self.ranges = mk(rw), mk(kw), mk(kw128), mk(kr)
+            kw, kr = kv_items(segments)
+            self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
+            self.kv128 = mk(kv_items(segments, 128)[0])  # the same ranges
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None) -> Work:
