@@ -28,7 +28,6 @@ workspace: max allocated minus what was allocated before they were made), the ra
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -39,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from json_report import write_json_report  # noqa: E402 (tools/, the script's folder, is on sys.path)
 
 GIB = 2 ** 30
 
@@ -245,8 +246,7 @@ def main() -> int:
         results[name], output = bench.run(name, reference)
         out = summary(args, bench, results)
         if bench.rank == 0 and args.out:
-            with open(args.out, "w") as f:
-                f.write(json.dumps(out, indent=2) + "\n")
+            write_json_report(out, args.out, echo=False)
         return output
 
     names = [c for c in args.configs.split(",") if c]
@@ -267,11 +267,7 @@ def main() -> int:
     if bench.rank == 0:
         if bad:
             out["failed"] = f"outputs differ from CP=1 (float64): {bad}"
-        text = json.dumps(out, indent=2)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        write_json_report(out, args.out)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if bad else 0

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,8 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from json_report import write_json_report  # noqa: E402 (tools/, the script's folder, is on sys.path)
 
 GIB = 2 ** 30
 
@@ -312,11 +313,7 @@ def main():
                     for name, x in (("all_gather", two), ("a2a", a2a))},
             }
     if rank == 0:
-        text = json.dumps(summary, indent=2)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        write_json_report(summary, args.out)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
