@@ -1,4 +1,4 @@
-"""Test-wide settings: deterministic CPU math, quiet third-party warnings."""
+"""Test-wide settings (deterministic CPU math, quiet third-party warnings) and shared fixtures."""
 
 import os
 import warnings
@@ -14,3 +14,21 @@ warnings.filterwarnings("ignore", message=".*absl.logging.*")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture
+def three_groups():
+    """make(seed, vocab) -> three groups "a", "b", "c" of random token ids below vocab: P = 5, 2, 7;
+    N = 3, 2, 1; response lengths 1..6 (R = 1 included). The model and checkpoint tests' micro-batch."""
+    from megatron_dualkv import Group
+
+    def make(seed: int, vocab: int) -> list:
+        g = torch.Generator().manual_seed(seed)
+        ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+        return [
+            Group.of(ids(5), [ids(3), ids(1), ids(4)], name="a"),
+            Group.of(ids(2), [ids(6), ids(2)], name="b"),
+            Group.of(ids(7), [ids(1)], name="c"),
+        ]
+
+    return make

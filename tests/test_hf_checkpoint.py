@@ -78,17 +78,6 @@ def save_hf(model, path) -> str:
     return str(path)
 
 
-def make_groups(seed: int = 1) -> list[Group]:
-    """Three groups: P = 5, 2, 7; N = 3, 2, 1; response lengths 1..6."""
-    g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()
-    return [
-        Group.of(ids(5), [ids(3), ids(1), ids(4)], name="a"),
-        Group.of(ids(2), [ids(6), ids(2)], name="b"),
-        Group.of(ids(7), [ids(1)], name="c"),
-    ]
-
-
 @torch.no_grad()
 def transformers_logprobs(model, groups: list[Group]) -> torch.Tensor:
     """log p(response token) from transformers' forward on each [prompt | response] sequence,
@@ -154,12 +143,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_import_logprobs_equal_transformers_and_export_is_bitwise(case, pgs, tmp_path):
+def test_import_logprobs_equal_transformers_and_export_is_bitwise(case, pgs, tmp_path, three_groups):
     moe, overrides = CASES[case]
     hf_model = make_hf_model(moe, **overrides)
     hf_dir = save_hf(hf_model, tmp_path / "hf")
     cfg, model = import_model(hf_dir, pgs)
-    groups = make_groups()
+    groups = three_groups(1, VOCAB)
     layout = build_layout(groups, vocab_size=VOCAB)
     expected = transformers_logprobs(hf_model, groups)
     assert expected.std() > 1.0, "test model too close to uniform to tell mappings apart"
@@ -185,12 +174,12 @@ def test_import_logprobs_equal_transformers_and_export_is_bitwise(case, pgs, tmp
             assert getattr(reloaded.config, field) == getattr(hf_model.config, field), field
 
 
-def test_mappings_are_seen_by_the_comparison(pgs, tmp_path):
+def test_mappings_are_seen_by_the_comparison(pgs, tmp_path, three_groups):
     """Negative controls: a wrong norm_topk_prob mapping, RoPE base or norm epsilon changes the
     logprobs far beyond the tolerance, so the comparison above would catch them."""
     hf_model = make_hf_model(True)
     hf_dir = save_hf(hf_model, tmp_path / "hf")
-    groups = make_groups()
+    groups = three_groups(1, VOCAB)
     layout = build_layout(groups, vocab_size=VOCAB)
     expected = transformers_logprobs(hf_model, groups)
     for wrong in ({"moe_router_pre_softmax": True}, {"rotary_base": 10000}, {"layernorm_epsilon": 1e-6}):
@@ -253,7 +242,7 @@ def test_convert_cli_round_trip(tmp_path):
     assert_same_tensors(back, load_file(os.path.join(hf_dir, "model.safetensors")), "CLI round trip")
 
 
-def test_router_aux_loss_normalisation(pgs, tmp_path):
+def test_router_aux_loss_normalisation(pgs, tmp_path, three_groups):
     """router_aux_loss_coef maps to moe_aux_loss_coeff unchanged (as Megatron-Bridge does), but the
     two losses are normalised differently: per MoE layer, transformers' load_balancing_loss_func
     (E * sum_i f_i P_i with f_i counting all top-k picks) equals top_k times Megatron's
@@ -264,7 +253,7 @@ def test_router_aux_loss_normalisation(pgs, tmp_path):
     hf_dir = save_hf(hf_model, tmp_path / "hf")
     cfg, model = import_model(hf_dir, pgs)
     assert cfg.transformer.moe_aux_loss_coeff == hf_model.config.router_aux_loss_coef
-    group = make_groups()[0]
+    group = three_groups(1, VOCAB)[0]
     response = group.responses[0]
     with torch.no_grad():
         hf_aux = hf_model(torch.tensor(group.prompt + response)[None], output_router_logits=True).aux_loss
@@ -381,11 +370,11 @@ def workers():
         yield pool
 
 
-def test_tp_ep_import_and_export_match_transformers(workers, tmp_path):
+def test_tp_ep_import_and_export_match_transformers(workers, tmp_path, three_groups):
     models = {"dense": make_hf_model(False), "dense-tied": make_hf_model(False, tie_word_embeddings=True),
               "dense-1kv": make_hf_model(False, num_key_value_heads=1), "moe": make_hf_model(True)}
     hf_dirs = {name: save_hf(m, tmp_path / name) for name, m in models.items()}
-    groups = make_groups()
+    groups = three_groups(1, VOCAB)
     expected = {name: transformers_logprobs(m, groups) for name, m in models.items()}
     per_rank = workers.run(parallel_import_export, hf_dirs, groups, str(tmp_path / "out"))
     for case in PARALLEL_CASES:

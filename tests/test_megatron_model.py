@@ -40,17 +40,6 @@ def pgs():
         yield collection
 
 
-def _groups(seed: int = 0) -> list[Group]:
-    """Three groups: different prompt lengths, N = 3, 2, 1, response lengths including 1."""
-    g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()
-    return [
-        Group.of(ids(5), [ids(3), ids(1), ids(4)], name="a"),
-        Group.of(ids(2), [ids(6), ids(2)], name="b"),
-        Group.of(ids(7), [ids(1)], name="c"),
-    ]
-
-
 def _pair(pgs, size="tiny", dtype=torch.float32, **overrides):
     cfg = qwen3_config(size, use_cpu_initialization=True, params_dtype=dtype, vocab_size=VOCAB, **overrides)
     torch.manual_seed(7)
@@ -104,25 +93,25 @@ def _compare(model, base, layout, *, rtol, atol, temperature=1.0, with_entropy=T
 # ------------------------------------------------------------------------------------------------
 
 
-def test_dense_logprobs_entropy_and_every_gradient_match_replicated(pgs):
+def test_dense_logprobs_entropy_and_every_gradient_match_replicated(pgs, three_groups):
     model, base = _pair(pgs)
     assert model.config.num_query_groups < model.config.num_attention_heads  # GQA
-    layout = build_layout(_groups(), vocab_size=VOCAB, pad_to_multiple=8)  # with padding rows
+    layout = build_layout(three_groups(0, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)  # with padding rows
     assert layout.num_tokens > layout.num_real_tokens
     _compare(model, base, layout, **FP32)
 
 
-def test_temperature_divides_logits_first(pgs):
+def test_temperature_divides_logits_first(pgs, three_groups):
     model, base = _pair(pgs)
-    layout = build_layout(_groups(1), vocab_size=VOCAB)
+    layout = build_layout(three_groups(1, VOCAB), vocab_size=VOCAB)
     out, ref = _compare(model, base, layout, temperature=0.7, **FP32)
     plain = model(layout=layout).logprobs
     assert not torch.allclose(plain, out.logprobs, rtol=1e-3, atol=1e-4)
 
 
-def test_float64_matches_to_double_rounding(pgs):
+def test_float64_matches_to_double_rounding(pgs, three_groups):
     model, base = _pair(pgs, dtype=torch.float64)
-    layout = build_layout(_groups(2), vocab_size=VOCAB, pad_to_multiple=4)
+    layout = build_layout(three_groups(2, VOCAB), vocab_size=VOCAB, pad_to_multiple=4)
     out = model(layout=layout)
     ref = replicated_logprobs(base, layout)
     assert out.logprobs.dtype == torch.float64
@@ -142,10 +131,10 @@ def _moe_metrics():
     return values
 
 
-def test_moe_aux_loss_logprobs_and_every_gradient_match_replicated(pgs):
+def test_moe_aux_loss_logprobs_and_every_gradient_match_replicated(pgs, three_groups):
     model, base = _pair(pgs, "tiny-moe")
     assert model.config.moe_aux_loss_coeff > 0
-    layout = build_layout(_groups(4), vocab_size=VOCAB, pad_to_multiple=8)
+    layout = build_layout(three_groups(4, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
     _moe_metrics()
     out = model(layout=layout, with_entropy=True)
     got = _moe_metrics()
@@ -173,14 +162,14 @@ def test_moe_aux_loss_logprobs_and_every_gradient_match_replicated(pgs):
     assert any(not torch.allclose(params[n].grad, g, **FP32) for n, g in router_grads.items())
 
 
-def test_moe_seq_and_global_aux_loss_and_z_loss_match_replicated(pgs):
+def test_moe_seq_and_global_aux_loss_and_z_loss_match_replicated(pgs, three_groups):
     model, base = _pair(
         pgs, "tiny-moe",
         moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
         moe_aux_loss_coeff=[1e-2, 2e-2, 3e-2],
         moe_z_loss_coeff=1e-2,
     )
-    layout = build_layout(_groups(5), vocab_size=VOCAB, pad_to_multiple=8)
+    layout = build_layout(three_groups(5, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
     _moe_metrics()
     out = model(layout=layout)
     got = _moe_metrics()
@@ -228,10 +217,10 @@ def test_moe_expert_bias_counts_and_sigmoid_router_match_replicated(pgs):
     ],
     ids=["full", "selective"],
 )
-def test_activation_recomputation_keeps_equality(pgs, recompute):
+def test_activation_recomputation_keeps_equality(pgs, recompute, three_groups):
     """Recomputed layers read the layout (attention) and token weights (router) again in backward."""
     model, base = _pair(pgs, "tiny-moe", **recompute)
-    layout = build_layout(_groups(11), vocab_size=VOCAB, pad_to_multiple=8)
+    layout = build_layout(three_groups(11, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
     _compare(model, base, layout, **FP32)
 
 
@@ -244,9 +233,9 @@ def _differs(a, b):
     return not torch.allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
-def test_wrong_rotary_positions_would_fail(pgs):
+def test_wrong_rotary_positions_would_fail(pgs, three_groups):
     model, base = _pair(pgs)
-    layout = build_layout(_groups(6), vocab_size=VOCAB)
+    layout = build_layout(three_groups(6, VOCAB), vocab_size=VOCAB)
     ref = replicated_logprobs(base, layout).logprobs
     torch.testing.assert_close(model(layout=layout).logprobs, ref, **FP32)
     # packed offsets (what stock THD RoPE would use over one packed sequence) instead of P..P+R_i-1
@@ -261,9 +250,9 @@ def test_wrong_rotary_positions_would_fail(pgs):
     torch.testing.assert_close(model(layout=uniform).logprobs, ref, **FP32)
 
 
-def test_wrong_attention_mask_would_fail(pgs):
+def test_wrong_attention_mask_would_fail(pgs, three_groups):
     model, base = _pair(pgs)
-    layout = build_layout(_groups(7), vocab_size=VOCAB)
+    layout = build_layout(three_groups(7, VOCAB), vocab_size=VOCAB)
     ref = replicated_logprobs(base, layout).logprobs
     seg = layout.segments
     # responses that do not see their prompt
@@ -274,9 +263,9 @@ def test_wrong_attention_mask_would_fail(pgs):
     assert _differs(model(layout=dataclasses.replace(layout, segments=causal, _cache={})).logprobs, ref)
 
 
-def test_wrong_loss_edges_would_fail(pgs):
+def test_wrong_loss_edges_would_fail(pgs, three_groups):
     model, base = _pair(pgs)
-    layout = build_layout(_groups(8), vocab_size=VOCAB)
+    layout = build_layout(three_groups(8, VOCAB), vocab_size=VOCAB)
     ref = replicated_logprobs(base, layout).logprobs
     # predict each token from its own row instead of the row before it
     own_row = dataclasses.replace(layout, source_rows=layout.target_rows, _cache={})
@@ -293,9 +282,9 @@ def test_wrong_loss_edges_would_fail(pgs):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_logits_only_at_loss_edges(pgs):
+def test_logits_only_at_loss_edges(pgs, three_groups):
     model, _ = _pair(pgs)
-    layout = build_layout(_groups(9), vocab_size=VOCAB, pad_to_multiple=8)
+    layout = build_layout(three_groups(9, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
     rows = []
     handle = model.output_layer.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
     try:
@@ -328,9 +317,9 @@ def test_vocab_parallel_logprobs_match_torch_in_float64():
     torch.testing.assert_close(logits.grad, x.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_core_attention_without_layout_is_a_clear_error(pgs):
+def test_core_attention_without_layout_is_a_clear_error(pgs, three_groups):
     model, _ = _pair(pgs)
-    layout = build_layout(_groups(), vocab_size=VOCAB)
+    layout = build_layout(three_groups(0, VOCAB), vocab_size=VOCAB)
     with pytest.raises(ValueError, match="needs the micro-batch layout"):
         model(layout.input_ids[None], layout.position_ids[None], None)
 
@@ -395,8 +384,8 @@ def test_specs_swap_only_core_attention_and_router():
             get_dualkv_layer_spec(use_transformer_engine=True)
 
 
-def test_refusals_name_the_problem(pgs):
-    layout = build_layout(_groups(), vocab_size=VOCAB)
+def test_refusals_name_the_problem(pgs, three_groups):
+    layout = build_layout(three_groups(0, VOCAB), vocab_size=VOCAB)
     model, _ = _pair(pgs, "tiny-moe", moe_expert_capacity_factor=1.0)
     with pytest.raises(ValueError, match="token dropping"):
         model(layout=layout)
@@ -409,7 +398,7 @@ def test_refusals_name_the_problem(pgs):
         model(layout=layout, labels=layout.input_ids[None])
 
 
-def test_core_attention_hands_dense_tensors_to_the_kernels(pgs, monkeypatch):
+def test_core_attention_hands_dense_tensors_to_the_kernels(pgs, monkeypatch, three_groups):
     """Megatron splits the fused QKV into strided views; the CUDA kernels take only dense
     [T, H, D] rows (found on the GPU: a training step failed with 'v is not contiguous')."""
     import megatron_dualkv.megatron.core_attention as ca
@@ -423,11 +412,11 @@ def test_core_attention_hands_dense_tensors_to_the_kernels(pgs, monkeypatch):
 
     monkeypatch.setattr(ca, "dualkv_attention", checking)
     model, _ = _pair(pgs)
-    model(layout=build_layout(_groups(), vocab_size=VOCAB))
+    model(layout=build_layout(three_groups(0, VOCAB), vocab_size=VOCAB))
     assert seen and all(all(s) for s in seen), seen
 
 
-def test_a_micro_batch_is_freed_without_the_garbage_collector(pgs):
+def test_a_micro_batch_is_freed_without_the_garbage_collector(pgs, three_groups):
     """Nothing a forward/backward caches on a layout refers back to it: with the collector off
     (Megatron's --manual-gc), dropping the layout frees it and its cached device tensors at once.
     (The packed-sequence params, which hold the layout, were once cached on it: a cycle.)"""
@@ -435,7 +424,7 @@ def test_a_micro_batch_is_freed_without_the_garbage_collector(pgs):
     import weakref
 
     model, _ = _pair(pgs)
-    layout = build_layout(_groups(), vocab_size=VOCAB, pad_to_multiple=8)
+    layout = build_layout(three_groups(0, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
     gc.collect()
     gc.disable()
     try:
