@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from json_report import write_json_report  # noqa: E402 (tools/, the script's folder, is on sys.path)
+from rank_report import report_and_leave, write_json_report  # noqa: E402 (tools/, the script's folder, is on sys.path)
 
 GIB = 2 ** 30
 
@@ -264,12 +264,9 @@ def main() -> int:
     # float64 (--tiny): CP must reproduce CP=1's output to rounding; bf16 differences are informational
     bad = {f"rank {rank} {n}": r["out_max_abs_diff_vs_cp1"] for rank, res in enumerate(out.get("per_rank", []))
            for n, r in res.items() if bench.dtype == torch.float64 and (r["out_max_abs_diff_vs_cp1"] or 0.0) > 1e-9}
-    if bench.rank == 0:
-        if bad:
-            out["failed"] = f"outputs differ from CP=1 (float64): {bad}"
-        write_json_report(out, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    if bad:
+        out["failed"] = f"outputs differ from CP=1 (float64): {bad}"
+    report_and_leave(out, args.out)
     return 1 if bad else 0
 
 

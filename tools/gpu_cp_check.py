@@ -39,7 +39,7 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from json_report import write_json_report  # noqa: E402 (tools/, the script's folder, is on sys.path)
+from rank_report import report_and_leave  # noqa: E402 (tools/, the script's folder, is on sys.path)
 
 GIB = 2 ** 30
 
@@ -276,7 +276,6 @@ def check_exactness(args, device, chunk_multiple: int, summary: dict) -> None:
 def main():
     args = parse_args()
     device, shims = init(args.tiny)
-    rank = dist.get_rank()
     if dist.get_world_size() != 2:
         raise SystemExit("run with exactly 2 ranks: torchrun --nproc_per_node 2 tools/gpu_cp_check.py")
     chunk_multiple = 2 if args.tiny else 128
@@ -312,10 +311,7 @@ def main():
                            "grad_rel_max": compare(one, x)["grad_rel_max"]}
                     for name, x in (("all_gather", two), ("a2a", a2a))},
             }
-    if rank == 0:
-        write_json_report(summary, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    report_and_leave(summary, args.out)
     return 0 if ok else 1
 
 
