@@ -96,16 +96,24 @@ void set_bwd_inputs(Args& a, const at::Tensor& dout, const at::Tensor& lse, cons
   a.delta = delta.data_ptr<float>();
 }
 
-inline FwdArgs fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                        const at::Tensor& lse, const at::Tensor& row_work, double scale) {
-  FwdArgs a;
+// A forward call: out (like q) and lse (float32 [Hq, Tq]), allocated on q's device, and the
+// kernel arguments that point at them
+struct FwdCall {
+  at::Tensor out, lse;
+  FwdArgs args;
+};
+
+inline FwdCall fwd_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& row_work,
+                        double scale) {
+  FwdCall c{at::empty_like(q), per_head_row_floats(q), {}};
+  FwdArgs& a = c.args;
   set_qkv(a, q, k, v, scale);
   a.Tq = q.size(0);
-  a.out = out.data_ptr();
-  a.lse = lse.data_ptr<float>();
+  a.out = c.out.data_ptr();
+  a.lse = c.lse.data_ptr<float>();
   a.work = row_work.data_ptr<int>();
   a.num_items = row_work.size(0);
-  return a;
+  return c;
 }
 
 // delta = rowsum(dout * out) - dlse, one per query row and head; dlse may be undefined

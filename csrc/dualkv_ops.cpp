@@ -33,19 +33,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
   check_qkv_same_rows(q, k, v);
   check_work(row_work, q, "row_work", 8);
   c10::cuda::CUDAGuard guard(q.device());
-  auto out = at::empty_like(q);
-  auto lse = per_head_row_floats(q);
-  const mdkv::FwdArgs a = fwd_args(q, k, v, out, lse, row_work, scale);
+  const FwdCall c = fwd_call(q, k, v, row_work, scale);
   auto stream = at::cuda::getCurrentCUDAStream();
   // MEGATRON_DUALKV_SM90_FWD_VARIANT: 1 (default) 64-row key tiles, two CTAs per SM (measured
   // 385-419 TFLOP/s); 0: 128-row key tiles, one CTA per SM (353-375)
   const char* venv = std::getenv("MEGATRON_DUALKV_SM90_FWD_VARIANT");
   const int variant = venv ? std::atoi(venv) : 1;
   const int d = q.size(2);
-  auto err = sm90 ? mdkv::launch_fwd_sm90(a, dtype_code(q), d, stream, variant)
-                  : mdkv::launch_fwd(a, dtype_code(q), d, stream);
+  auto err = sm90 ? mdkv::launch_fwd_sm90(c.args, dtype_code(q), d, stream, variant)
+                  : mdkv::launch_fwd(c.args, dtype_code(q), d, stream);
   check_launch(err, sm90 ? "fwd_sm90" : "fwd", false);
-  return {out, lse};
+  return {c.out, c.lse};
 }
 
 // mma.sync kernel (sm_80 style), row items of 64-row query tiles
@@ -112,12 +110,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_sm90(MDKV_BWD_PARAMS) 
 }  // namespace
 
 TORCH_LIBRARY(megatron_dualkv, m) {
-  using mdkv::op_args::bwd_schema;
-  using mdkv::op_args::fwd_schema;
-  m.def(fwd_schema("fwd").c_str());
-  m.def(fwd_schema("fwd_sm90").c_str());
-  m.def(bwd_schema("bwd").c_str());
-  m.def(bwd_schema("bwd_sm90").c_str());
+  m.def(mdkv::op_args::fwd_schema("fwd").c_str());
+  m.def(mdkv::op_args::fwd_schema("fwd_sm90").c_str());
+  m.def(mdkv::op_args::bwd_schema("bwd").c_str());
+  m.def(mdkv::op_args::bwd_schema("bwd_sm90").c_str());
 }
 
 TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {

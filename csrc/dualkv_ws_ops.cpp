@@ -42,12 +42,10 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   check_ws_qkv(q, k, v);
   check_work(row_work, q, "row_work", 8);
   c10::cuda::CUDAGuard guard(q.device());
-  auto out = at::empty_like(q);
-  auto lse = per_head_row_floats(q);
-  const mdkv::FwdArgs a = fwd_args(q, k, v, out, lse, row_work, scale);
-  auto err = mdkv::launch_fwd_ws_sm90(a, dtype_code(q), q.size(2), at::cuda::getCurrentCUDAStream());
+  const FwdCall c = fwd_call(q, k, v, row_work, scale);
+  auto err = mdkv::launch_fwd_ws_sm90(c.args, dtype_code(q), q.size(2), at::cuda::getCurrentCUDAStream());
   check_launch(err, "fwd_ws_sm90", true);
-  return {out, lse};
+  return {c.out, c.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS) {
@@ -80,10 +78,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
-  using mdkv::op_args::bwd_schema;
-  using mdkv::op_args::fwd_schema;
-  m.def(fwd_schema("fwd_ws_sm90").c_str());
-  m.def(bwd_schema("bwd_ws_sm90").c_str());
+  m.def(mdkv::op_args::fwd_schema("fwd_ws_sm90").c_str());
+  m.def(mdkv::op_args::bwd_schema("bwd_ws_sm90").c_str());
 }
 
 TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {
