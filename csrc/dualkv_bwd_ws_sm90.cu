@@ -54,6 +54,7 @@
 #include <math.h>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "dualkv_kernels.h"
 #include "dualkv_fwd_ws.h"
@@ -77,6 +78,9 @@ using sm90::wg_wait;
 constexpr int kKVB = 128;    // key rows per CTA (2 consumers x 64)
 constexpr int kQTB = 64;     // query rows per step
 constexpr int kStagesB = 3;  // Q/dO/lse/delta ring depth
+// descriptors of steps i-1 .. i+3 may be live at once (dQ lags one step; the producer runs at most
+// kStagesB steps ahead of the slower consumer), so the ring has more slots than the stages
+constexpr int kTdRing = 8;
 constexpr int kThreadsB = 384;
 constexpr float kLog2eB = 1.4426950408889634f;
 
@@ -92,9 +96,9 @@ struct BwdSmem {
   static constexpr int kStgBytes = kTmaDQ ? 2 * kQTB * 64 * (int)sizeof(float) : 0;
   static constexpr int kL = kStg + kStgBytes;                           // [kStagesB][kQTB] lse
   static constexpr int kDl = kL + kStagesB * kQTB * (int)sizeof(float);  // [kStagesB][kQTB] delta
-  static constexpr int kTd = kDl + kStagesB * kQTB * (int)sizeof(float);  // [kStagesB] int4 tile descriptor
-  static constexpr int kBar = kTd + kStagesB * 16;
-  static constexpr int kBarCount = 1 + 2 * kStagesB;  // kv_full, q_full[], empty[]
+  static constexpr int kTd = kDl + kStagesB * kQTB * (int)sizeof(float);  // [kTdRing] int4 tile descriptor
+  static constexpr int kBar = kTd + kTdRing * 16;
+  static constexpr int kBarCount = 1 + 2 * kStagesB + 8;  // kv_full, q_full[], empty[], ds_full[2][2], ds_empty[2][2]
   static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
   static_assert(kStg % 1024 == 0, "the 128-byte swizzle of the dQ staging tile needs a 1024-aligned base");
   static_assert(kBytes <= 227 * 1024, "shared memory of the ws backward exceeds the 227 KB an sm_90 CTA can have");
@@ -115,7 +119,7 @@ __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.
 // every committed bulk group has completed (its global writes included)
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-template <typename T, int D, bool kTmaDQ>
+template <typename T, int D, bool kTmaDQ, bool kTurns>
 __global__ void __launch_bounds__(kThreadsB, 1)
     dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                    const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -138,6 +142,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const uint32_t kv_full = bar0;
   auto q_full = [&](int s) { return bar0 + 8u * (1 + s); };
   auto empty = [&](int s) { return bar0 + 8u * (1 + kStagesB + s); };
+  // dS^T buffer b, key half h (written by consumer h): full = its 128 threads stored it; empty =
+  // every consumer whose dQ MMA reads it (D = 128: both; D = 64: consumer h) completed that MMA
+  auto ds_full = [&](int b, int h) { return bar0 + 8u * (1 + 2 * kStagesB + 2 * b + h); };
+  auto ds_empty = [&](int b, int h) { return bar0 + 8u * (1 + 2 * kStagesB + 4 + 2 * b + h); };
   auto stage = [](int i) { return i % kStagesB; };
   auto parity = [](int i) { return (uint32_t)((i / kStagesB) & 1); };
 
@@ -174,6 +182,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       mbar_init(q_full(s), 33);
       mbar_init(empty(s), 8);
     }
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mbar_init(ds_full(b, h), 128);
+        mbar_init(ds_empty(b, h), D == 128 ? 8 : 4);
+      }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -201,7 +216,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int4 td = query_tile(i % per_head);
         const int q0 = td.x, qend = td.y, ql = td.z;
         if (lane == 0) {
-          sTd[st] = td;
+          sTd[i % kTdRing] = td;
           mbar_expect_tx(q_full(st), 2 * kQTB * D * sizeof(T));
 #pragma unroll
           for (int p = 0; p < D / 64; ++p) {
@@ -231,26 +246,109 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const bool tile_short = k1 < k0 + kKVB;  // rows k1.. of sK / sV belong to another segment
   const bool dq_issuer = kTmaDQ && warp == 0 && lane == 0;  // issues this consumer's dQ reduces
   if (dq_issuer) prefetch_map(&tm_dq);
+  // dS^T key halves a consumer's dQ MMA reads: D = 128 all 128 keys for its 64 columns (both
+  // halves); D = 64 a partial dQ over its own 64 keys (its own half)
+  constexpr int kReadHalves = D == 128 ? 2 : 1;
+  auto read_half = [&](int j) { return D == 128 ? j : cw; };
+  // kTurns: the consumers issue their MMA groups alternately (consumer 0 first), so one's softmax and
+  // dQ stores run under the other's MMAs; named barriers 8 + cw (bar.sync mine, bar.arrive the other's)
+  auto turn_take = [&]() {
+    if (kTurns) named_sync(8 + cw, 256);
+  };
+  auto turn_pass = [&](bool last) {  // consumer 1's last section passes nothing on
+    if (kTurns && !(last && cw == 1)) named_arrive(8 + (cw ^ 1), 256);
+  };
 
   float dk[D / 2], dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  mbar_wait(kv_full, 0);
-  for (int it = 0; it < n_iter; ++it) {
-    const int st = stage(it);
-    const int h = hk * group + it / per_head;
+  // dQ of a step from dS^T buffer pdS: D = 128: dQ[:, 64 cw : 64 cw + 64] over all 128 keys;
+  // D = 64: dQ[:, 0:64] over this consumer's 64 keys (the other consumer adds its own partial sum)
+  auto issue_dq = [&](float(&dq)[32], const T* pdS) {
+    if (D == 128) {
+#pragma unroll
+      for (int kk = 0; kk < kKVB / 16; ++kk) {
+        const uint64_t a_ = desc(pdS + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        const uint64_t b_ = desc(sK + cw * kKVB * 64 + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint64_t a_ = desc(pdS + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        const uint64_t b_ = desc(sK + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
+      }
+    }
+  };
+
+  // dQ of step i into dq_acc. The step's descriptor is read again from the ring (kTdRing slots
+  // outlive the lag) rather than kept in registers across the next step.
+  auto store_dq = [&](const float(&dq)[32], int i) {
+    const int4 td = sTd[i % kTdRing];
+    const int q0 = td.x, qend = td.y, ql = td.z;
+    const int h = hk * group + i / per_head;
+    if constexpr (kTmaDQ) {
+      // staging reuse: the previous reduce has read the tile before any thread stores into it
+      if (dq_issuer) bulk_wait_read0();
+      named_sync(6 + cw, 128);
+      // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
+      float* stg = sStg + cw * kQTB * 64;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp * 16 + (lane >> 2) + hh * 8;
+        const bool keep = q0 + r < qend;  // the box adds all 64 rows: zeros past the range
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int chunk = ((j & 3) * 2 + ((lane & 3) >> 1)) ^ (r & 7);
+          float* dst = stg + (j >> 2) * kQTB * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
+          *reinterpret_cast<float2*>(dst) =
+              keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
+        }
+      }
+      fence_proxy_async();      // the generic-proxy stores before the TMA (async proxy) reads them
+      named_sync(4 + cw, 128);  // the whole tile is stored
+      if (dq_issuer) {
+        const int c0 = D == 128 ? cw * 64 : 0;
+        tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, ql);  // local rows ql.. of dq_acc
+        tma_reduce_add(&tm_dq, smem_addr(stg + kQTB * 32), c0 + 32, h, ql);
+        bulk_commit();
+      }
+    } else {
+      float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp * 16 + (lane >> 2) + hh * 8;
+        if (q0 + r < qend) {
+          float* rp = acc + (long)(ql + r) * a.hq * D + (lane & 3) * 2;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
+        }
+      }
+    }
+  };
+
+  // One query step: S^T, dP^T; P^T, dS^T; dV, dK and (has_prev) the dQ of the previous step. dQ
+  // lags one step so that it needs the other consumer's dS^T half of a step both have long
+  // finished: the consumers no longer meet at a barrier every step (which kept them in lockstep,
+  // their softmax never under an MMA), only wait on the dS^T buffers' mbarriers.
+  auto step = [&](auto has_prev, const int it) {
+    constexpr bool kPrev = decltype(has_prev)::value;
+    const int st = stage(it), b = it & 1;
     const T* cQ = sQ + st * kQTB * D;
     const T* cdO = sdO + st * kQTB * D;
     const float* cL = sL + st * kQTB;
     const float* cD = sDl + st * kQTB;
-    T* cdS = sdS + (it & 1) * kKVB * kQTB;
+    T* cdS = sdS + b * kKVB * kQTB;
     mbar_wait(q_full(st), parity(it));
-    const int4 td = sTd[st];  // written by the producer before its q_full arrival
-    const int q0 = td.x, qend = td.y, ql = td.z;
+    const int4 td = sTd[it % kTdRing];  // written by the producer before its q_full arrival
+    const int q0 = td.x, qend = td.y;
     const bool causal = td.w != 0;
 
     float s[32], dp[32];
+    turn_take();
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -265,6 +363,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       wgmma_ss<64, T>(dp, dv_, do_, kk > 0 ? 1 : 0);
     }
     wg_commit();
+    turn_pass(false);
     wg_wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -299,7 +398,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         da[kk][x] = pack2<T>(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
       }
     }
-    // dS^T rows (keys) x columns (queries) into shared memory for dQ = dS K
+    // dS^T rows (keys) x columns (queries) into this consumer's half of buffer b, once the dQ MMAs
+    // of step it - 2 (which read that half) have completed
+    if (it >= 2) mbar_wait(ds_empty(b, cw), ((it - 2) >> 1) & 1);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -307,89 +408,67 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int r = cw * 64 + warp * 16 + (lane >> 2) + hh * 8;
         *reinterpret_cast<uint32_t*>(cdS + poff<kKVB>(r, j) + (lane & 3) * 2) = da[j >> 1][(j & 1) * 2 + hh];
       }
-    fence_proxy_async();
-    // staging reuse: the previous step's dQ reduce has read the staging tile before any thread of
-    // this consumer passes the barrier below and stores this step's dQ into it
-    if (dq_issuer) bulk_wait_read0();
-    if (D == 128)
-      named_sync(1, 256);       // both halves of dS^T written
-    else
-      named_sync(2 + cw, 128);  // this consumer's half written (it reads only that)
+    fence_proxy_async();  // before the wgmma (async proxy) of either consumer reads them
+    mbar_arrive(ds_full(b, cw));
 
     float dq[32];
+    if constexpr (kPrev) {
+#pragma unroll
+      for (int j = 0; j < kReadHalves; ++j) mbar_wait(ds_full(b ^ 1, read_half(j)), ((it - 1) >> 1) & 1);
+    }
+    turn_take();
     reg_fence(dv);
     reg_fence(dk);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t b = desc(cdO + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(dv, pa[kk], b, 1);
+      const uint64_t bd = desc(cdO + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
+      wgmma_rs_tb<D, T>(dv, pa[kk], bd, 1);
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t b = desc(cQ + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(dk, da[kk], b, 1);
+      const uint64_t bd = desc(cQ + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
+      wgmma_rs_tb<D, T>(dk, da[kk], bd, 1);
     }
-    if (D == 128) {
-      // dQ[:, 64 cw : 64 cw + 64] over all 128 keys
-#pragma unroll
-      for (int kk = 0; kk < kKVB / 16; ++kk) {
-        const uint64_t a_ = desc(cdS + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        const uint64_t b_ = desc(sK + cw * kKVB * 64 + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
-      }
-    } else {
-      // dQ[:, 0:64] over this consumer's 64 keys (a partial sum; the other consumer adds its own)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint64_t a_ = desc(cdS + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        const uint64_t b_ = desc(sK + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
-      }
-    }
+    if constexpr (kPrev) issue_dq(dq, sdS + (b ^ 1) * kKVB * kQTB);
     wg_commit();
+    turn_pass(false);
     wg_wait<0>();
     reg_fence(dv);
     reg_fence(dk);
-    reg_fence(dq);
     if (lane == 0) mbar_arrive(empty(st));  // Q, dO, lse, delta of this stage are no longer read
-
-    if constexpr (kTmaDQ) {
-      // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
-      float* stg = sStg + cw * kQTB * 64;
+    if constexpr (kPrev) {
+      reg_fence(dq);
+      if (lane == 0) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp * 16 + (lane >> 2) + hh * 8;
-        const bool keep = q0 + r < qend;  // the box adds all 64 rows: zeros past the range
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int chunk = ((j & 3) * 2 + ((lane & 3) >> 1)) ^ (r & 7);
-          float* dst = stg + (j >> 2) * kQTB * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
-          *reinterpret_cast<float2*>(dst) =
-              keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
-        }
+        for (int j = 0; j < kReadHalves; ++j) mbar_arrive(ds_empty(b ^ 1, read_half(j)));
       }
-      fence_proxy_async();       // the generic-proxy stores before the TMA (async proxy) reads them
-      named_sync(4 + cw, 128);   // the whole tile is stored
-      if (dq_issuer) {
-        const int c0 = D == 128 ? cw * 64 : 0;
-        tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, ql);  // local rows ql.. of dq_acc
-        tma_reduce_add(&tm_dq, smem_addr(stg + kQTB * 32), c0 + 32, h, ql);
-        bulk_commit();
-      }
-    } else {
-      float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp * 16 + (lane >> 2) + hh * 8;
-        if (q0 + r < qend) {
-          float* rp = acc + (long)(ql + r) * a.hq * D + (lane & 3) * 2;
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
-        }
-      }
+      store_dq(dq, it - 1);
     }
+  };
+
+  // the dQ of the last step (nothing else is left to overlap it with)
+  auto last_dq = [&](const int it) {
+    const int b = it & 1;
+#pragma unroll
+    for (int j = 0; j < kReadHalves; ++j) mbar_wait(ds_full(b, read_half(j)), (it >> 1) & 1);
+    float dq[32];
+    turn_take();
+    wg_fence();
+    issue_dq(dq, sdS + b * kKVB * kQTB);
+    wg_commit();
+    turn_pass(true);
+    wg_wait<0>();
+    reg_fence(dq);
+    store_dq(dq, it);
+  };
+
+  mbar_wait(kv_full, 0);
+  if (n_iter > 0) {
+    if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
+    step(std::false_type{}, 0);
+    for (int it = 1; it < n_iter; ++it) step(std::true_type{}, it);
+    last_dq(n_iter - 1);
   }
   if (dq_issuer) bulk_wait0();  // the last reduces have read the staging tile and written dq_acc
 
@@ -430,7 +509,10 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
   if (ka.dq_acc == nullptr) return cudaErrorInvalidValue;  // fast mode only
   cudaError_t e = launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
-  auto k = dkdv_ws_kernel<T, D, kTmaDQ>;
+  // MEGATRON_DUALKV_WS_BWD_TURNS=0: consumers without turns (an A/B switch, like the forward's
+  // MEGATRON_DUALKV_WS_PINGPONG)
+  const char* turns = std::getenv("MEGATRON_DUALKV_WS_BWD_TURNS");
+  auto k = (turns && std::atoi(turns) == 0) ? dkdv_ws_kernel<T, D, kTmaDQ, false> : dkdv_ws_kernel<T, D, kTmaDQ, true>;
   e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (ka.num_items == 0 || ka.T == 0 || ka.Tq == 0) return cudaSuccess;

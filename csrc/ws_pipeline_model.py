@@ -15,7 +15,7 @@ reduce-add through a staging tile, MEGATRON_DUALKV_WS_DQ=tma), with mutations of
 protocol that it must catch (BWD_MUTATIONS). It models the protocol, not the kernel: change both
 together.
 """
-import random, sys
+import itertools, random, sys
 
 S = 3
 
@@ -121,91 +121,162 @@ class NBar:
         while s.gen == g: yield
 
 
+class TurnBar:
+    """Named barrier used for turns: the owner's agents bar.sync, the other warpgroup's agents
+    bar.arrive; completes when all `parties` have arrived. An agent arriving twice in one
+    generation (which the hardware would silently count) is a protocol error."""
+    def __init__(s, parties): s.parties, s.arrived, s.gen = parties, set(), 0
+    def _arrive(s, who):
+        assert who not in s.arrived, f"{who} arrives twice on one turn barrier generation"
+        s.arrived.add(who)
+        if len(s.arrived) == s.parties: s.arrived = set(); s.gen += 1
+    def arrive(s, who): s._arrive(who)
+    def sync(s, who):
+        g = s.gen; s._arrive(who)
+        while s.gen == g: yield
+
+
 BWD_MUTATIONS = {   # mutation -> what the kernel would do wrong (each must make run_bwd fail)
+    "no_ds_empty_wait": "dS^T: a consumer overwrites its half without waiting for the dQ MMAs of step i-2",
+    "no_ds_full_wait": "dS^T: the dQ MMA of step i-1 is issued without waiting for the halves it reads",
+    "td_ring_3": "the tile-descriptor ring has 3 slots (one per stage) although dQ lags one step",
     "no_read_wait": "dQ staging: thread 0 never waits for the previous reduce's smem read",
-    "read_wait_after_ds_barrier": "dQ staging: thread 0 waits for the read only after the dS^T barrier",
+    "no_pre_staging_barrier": "dQ staging: the stores do not wait at barrier 6 + cw for thread 0's read wait",
     "no_staging_barrier": "dQ staging: the reduce is issued without barrier 4 + cw after the stores",
     "no_final_wait": "dQ staging: the CTA exits with a reduce still in flight",
+    "last_turn_passes": "turns: consumer 1's last section passes the turn on (an arrival nobody consumes)",
 }
 
 
-def run_bwd(n, seed, d128=True, tma_dq=False, mutation=None):
+def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     """The ws backward (csrc/dualkv_bwd_ws_sm90.cu): a Q/dO/lse/delta ring of S stages, K/V once,
-    dS^T exchanged through a double buffer (D = 128: 256-thread barrier; D = 64: own half only).
-    Each consumer warpgroup is two agents: "e" (thread 0: lane 0 of warp 0, which issues the dQ
-    reduces) and "r" (the other 127 threads); wgmma is warp-synchronous only, so each agent issues
-    and waits for its own part of every MMA (no rendezvous between them). tma_dq: dQ goes through
-    the consumer's staging tile and a TMA reduce whose smem read and global write complete at
-    random later times; checked: no store into the staging tile while a reduce still reads it, a
-    reduce reads the current step's tile from both agents, nothing in flight when the CTA exits."""
+    tile descriptors in a ring of 8, dS^T in two buffers of two key halves (consumer h writes half
+    h) with full / empty mbarriers, and dQ one step behind: step i's second MMA group holds dV, dK
+    of step i and dQ of step i-1 (D = 128: both halves of buffer (i-1)&1; D = 64: its own half);
+    the dQ of the last step is a group of its own. turns: the consumers take turns issuing their
+    MMA groups (named barriers 8 + cw). Each consumer warpgroup is two agents: "e" (thread 0: lane
+    0 of warp 0, which issues the dQ reduces) and "r" (the other 127 threads); wgmma is
+    warp-synchronous only, so each agent issues and waits for its own part of every MMA. tma_dq:
+    dQ goes through the consumer's staging tile and a TMA reduce whose smem read and global write
+    complete at random later times. Checked: every MMA reads the stage and dS^T halves of its step,
+    no TMA lands in a stage still read, no dS^T half is rewritten under a dQ MMA, descriptors are
+    read before the producer reuses their slot, no store into the staging tile while a reduce
+    reads it, each reduce reads one step's tile from both agents, turn barriers balanced, nothing
+    in flight when the CTA exits, no deadlock."""
     assert mutation is None or mutation in BWD_MUTATIONS
     rnd = random.Random(seed)
+    ring = 3 if mutation == "td_ring_3" else 8
+    halves_of = lambda w: (0, 1) if d128 else (w,)
     kv_full = MBar(1)
     qf = [MBar(2) for _ in range(S)]   # producer lane 0 (expect_tx) + the lanes' lse/delta arrival
-    em = [MBar(4) for _ in range(S)]   # per consumer: lane 0 of warp 0 (agent e) + warps 1-3 (agent r)
+    em = [MBar(4) for _ in range(S)]   # both consumers' agents
+    ds_full = [[MBar(2), MBar(2)] for _ in range(2)]                       # [buffer][half]: writer's agents
+    ds_empty = [[MBar(4 if d128 else 2), MBar(4 if d128 else 2)] for _ in range(2)]  # readers' agents
     stage = [None] * S
+    td = [None] * ring
     readers = [set() for _ in range(S)]
     ds = [[{}, {}], [{}, {}]]                   # ds[buffer][half][agent] = step written
-    ds_readers = [[set(), set()], [set(), set()]]   # ds_readers[buffer][half]: MMA parts reading it
-    stg = [{}, {}]                              # stg[wg][agent] = step whose dQ part is stored
-    stg_reads = [[], []]                        # per WG: steps whose reduce has not read stg yet
-    stg_writes = [[], []]                       # per WG: steps whose reduce has not written dq_acc yet
+    ds_readers = [[set(), set()], [set(), set()]]
+    stg = [{}, {}]
+    stg_reads, stg_writes = [[], []], [[], []]
     tma, mma = [], {}
-    ds_bar = NBar(4) if d128 else None          # id 1, 256 threads (both consumers)
-    own_bar = [NBar(2), NBar(2)]                # ids 2 + cw (D = 64 dS^T), 128 threads
-    stg_bar = [NBar(2), NBar(2)]                # ids 4 + cw, 128 threads
+    turn = [TurnBar(4), TurnBar(4)]             # turn[w]: w's agents sync, the other's arrive
+    pre_bar = [NBar(2), NBar(2)]                # ids 6 + cw
+    stg_bar = [NBar(2), NBar(2)]                # ids 4 + cw
     exited = set()
+
     def producer():
         kv_full.arrive(tx=1); tma.append((None, None, kv_full))
         for i in range(n):
             st = i % S
             if i >= S:
                 while not em[st].done(((i // S) & 1) ^ 1): yield
+            td[i % ring] = i
             qf[st].arrive(tx=1); tma.append((st, i, qf[st]))
             yield
-            qf[st].arrive()   # the lanes' lse/delta stores, released by their arrival
+            qf[st].arrive()
+
     def mma_wait(me):
         while mma.get(me): yield
+
+    def take(w, me):
+        if turns: yield from turn[w].sync(me)
+
+    def give(w, me, last):
+        if turns and not (last and w == 1 and mutation != "last_turn_passes"):
+            turn[w ^ 1].arrive(me)
+
+    def store_dq(w, ag, j):
+        assert td[j % ring] == j, f"WG{w}{ag} dQ of step {j} reads descriptor slot holding step {td[j % ring]}"
+        if not tma_dq: return
+        if ag == "e" and mutation != "no_read_wait":
+            while stg_reads[w]: yield   # cp.async.bulk.wait_group.read 0
+        if mutation != "no_pre_staging_barrier":
+            yield from pre_bar[w].sync()
+        assert not stg_reads[w], f"WG{w}{ag} stores dQ of step {j} into the staging tile still read by the reduce of step {stg_reads[w]}"
+        stg[w][ag] = j
+        yield
+        if mutation != "no_staging_barrier":
+            yield from stg_bar[w].sync()
+        if ag == "e":
+            assert all(stg[w].get(a) == j for a in "er"), f"WG{w} reduce of step {j} reads a staging tile holding {stg[w]}"
+            stg_reads[w].append(j); stg_writes[w].append(j)
+
+    def wait_ds_full(w, j):
+        if mutation == "no_ds_full_wait": return
+        for h in halves_of(w):
+            while not ds_full[j & 1][h].done((j >> 1) & 1): yield
+
+    def issue_dq(w, me, j, kind_extra, st, i):
+        for h in halves_of(w):
+            assert all(ds[j & 1][h].get(a) == j for a in "er"), f"WG{w}{me[1]} dQ of step {j} reads dS half {h} holding {ds[j & 1][h]}"
+            ds_readers[j & 1][h].add((me, j))
+
     def consumer(w, ag):
         me = (w, ag)
         while not kv_full.done(0): yield
-        for i in range(n):
-            st, b = i % S, i & 1
-            while not qf[st].done((i // S) & 1): yield
-            assert stage[st] == i, f"WG{w}{ag} step {i} reads stage {st} holding {stage[st]}"
-            readers[st].add((me, i)); mma.setdefault(me, []).append(("st", st, i))
-            yield from mma_wait(me)
-            assert not ds_readers[b][w], f"WG{w}{ag} step {i} overwrites dS half {w} of buffer {b} under {ds_readers[b][w]}"
-            ds[b][w][ag] = i
-            yield
-            wait_read = tma_dq and ag == "e" and mutation != "no_read_wait"
-            if wait_read and mutation != "read_wait_after_ds_barrier":
-                while stg_reads[w]: yield   # cp.async.bulk.wait_group.read 0
-            yield from (ds_bar.sync() if d128 else own_bar[w].sync())
-            if wait_read and mutation == "read_wait_after_ds_barrier":
-                while stg_reads[w]: yield
-            halves = (0, 1) if d128 else (w,)
-            for hlf in halves:
-                assert all(ds[b][hlf].get(a) == i for a in "er"), f"WG{w}{ag} step {i} reads dS half {hlf} holding {ds[b][hlf]}"
-            readers[st].add((me, i)); mma[me].append(("st+ds", st, i))
-            for hlf in halves:
-                ds_readers[b][hlf].add((me, i))
-            yield from mma_wait(me)
-            em[st].arrive()
-            if tma_dq:
-                assert not stg_reads[w], f"WG{w}{ag} step {i} stores dQ into the staging tile still read by the reduce of step {stg_reads[w]}"
-                stg[w][ag] = i
+        if n > 0:
+            if turns and w == 1: turn[0].arrive(me)
+            for i in range(n):
+                st, b = i % S, i & 1
+                while not qf[st].done((i // S) & 1): yield
+                assert stage[st] == i, f"WG{w}{ag} step {i} reads stage {st} holding {stage[st]}"
+                assert td[i % ring] == i, f"WG{w}{ag} step {i} reads descriptor slot holding step {td[i % ring]}"
+                yield from take(w, me)
+                readers[st].add((me, i)); mma.setdefault(me, []).append(("st", st, i, None))
+                give(w, me, False)
+                yield from mma_wait(me)
+                if i >= 2 and mutation != "no_ds_empty_wait":
+                    while not ds_empty[b][w].done(((i - 2) >> 1) & 1): yield
+                assert not ds_readers[b][w], f"WG{w}{ag} step {i} overwrites dS half {w} of buffer {b} under {ds_readers[b][w]}"
+                ds[b][w][ag] = i
                 yield
-                if mutation != "no_staging_barrier":
-                    yield from stg_bar[w].sync()
-                if ag == "e":
-                    assert all(stg[w].get(a) == i for a in "er"), f"WG{w} reduce of step {i} reads a staging tile holding {stg[w]}"
-                    stg_reads[w].append(i); stg_writes[w].append(i)
+                ds_full[b][w].arrive()
+                if i >= 1: yield from wait_ds_full(w, i - 1)
+                yield from take(w, me)
+                readers[st].add((me, i))
+                if i >= 1: issue_dq(w, me, i - 1, None, st, i)
+                mma[me].append(("st+ds", st, i, i - 1 if i >= 1 else None))
+                give(w, me, False)
+                yield from mma_wait(me)
+                em[st].arrive()
+                if i >= 1:
+                    for h in halves_of(w): ds_empty[(i - 1) & 1][h].arrive()
+                    yield from store_dq(w, ag, i - 1)
+            j = n - 1
+            yield from wait_ds_full(w, j)
+            yield from take(w, me)
+            issue_dq(w, me, j, None, None, None)
+            mma[me].append(("ds", None, None, j))
+            give(w, me, True)
+            yield from mma_wait(me)
+            yield from store_dq(w, ag, j)
         if tma_dq and ag == "e" and mutation != "no_final_wait":
             while stg_reads[w] or stg_writes[w]: yield   # cp.async.bulk.wait_group 0
         exited.add(me)
         if len(exited) == 4:   # the CTA's shared memory is released
             assert not any(stg_reads) and not any(stg_writes), f"CTA exits with reduces in flight: reads {stg_reads}, writes {stg_writes}"
+
     agents = {"P": producer()}
     for w in (0, 1):
         for ag in "er":
@@ -232,16 +303,17 @@ def run_bwd(n, seed, d128=True, tma_dq=False, mutation=None):
             continue
         me = (w, rnd.choice("er"))
         if mma.get(me) and choice < 0.45:
-            kind, st, i = mma[me].pop(0)
-            readers[st].discard((me, i))
-            if kind == "st+ds":
-                for hlf in (0, 1):
-                    ds_readers[i & 1][hlf].discard((me, i))
+            kind, st, i, j = mma[me].pop(0)
+            if st is not None: readers[st].discard((me, i))
+            if j is not None:
+                for h in (0, 1): ds_readers[j & 1][h].discard((me, j))
             continue
         if not live: continue
         a_ = rnd.choice(sorted(live))
         try: next(agents[a_])
         except StopIteration: live.discard(a_)
+    for t in turn:
+        assert not t.arrived, f"turn barrier left with arrivals {t.arrived}"
     return steps
 
 
@@ -250,13 +322,12 @@ def check_bwd_mutations(seeds=300):
     for m, what in BWD_MUTATIONS.items():
         caught = None
         for seed in range(seeds):
-            for n in (1, 2, 3, 7):
-                for d128 in (True, False):
-                    try:
-                        run_bwd(n, seed, d128, tma_dq=True, mutation=m)
-                    except AssertionError as e:
-                        caught = f"{e}"
-                        break
+            for n, d128, turns in itertools.product((1, 2, 3, 7, 12), (True, False), (True, False)):
+                try:
+                    run_bwd(n, seed, d128, tma_dq=True, turns=turns, mutation=m)
+                except AssertionError as e:
+                    caught = f"{e} (n={n}, d128={d128}, turns={turns})"
+                    break
                 if caught: break
             if caught: break
         assert caught, f"mutation {m} ({what}) not caught"
@@ -268,7 +339,8 @@ if __name__ == "__main__":
         for seed in range(300):
             run(n, seed)
             for tma_dq in (False, True):
-                run_bwd(n, seed, d128=True, tma_dq=tma_dq)
-                run_bwd(n, seed, d128=False, tma_dq=tma_dq)
+                for turns in (False, True):
+                    run_bwd(n, seed, d128=True, tma_dq=tma_dq, turns=turns)
+                    run_bwd(n, seed, d128=False, tma_dq=tma_dq, turns=turns)
     check_bwd_mutations()
     print("ok")

@@ -176,6 +176,8 @@ IMPLS = {
     "wsfwd": ("ws", "sm90"),
     "wsfwd-no-pingpong": ("ws", "sm90"),  # consumers issuing without turns
     "wsbwd": ("sm90", "ws"),
+    "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
+    "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
@@ -188,6 +190,10 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
     if impl == "wsfwd-no-pingpong":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PINGPONG", "0")
+    if impl == "wsbwd-no-turns":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_TURNS", "0")
+    if impl == "wsbwd-atomic-dq":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_DQ", "atomic")
     fwd, bwd = IMPLS[impl]
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
