@@ -150,8 +150,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto parity = [](int i) { return (uint32_t)((i / kStagesB) & 1); };
 
   const int group = a.hq / a.hkv;
-  const int item = blockIdx.x / a.hkv;
-  const int hk = blockIdx.x % a.hkv;
+  // kv-head-major block order: the CTAs resident at once work for one kv head, so they share its
+  // query tiles and dQ rows in L2 (item-major, 8 kv heads' working sets competed: 3.4x the DRAM
+  // traffic on (16, 32768, 2048), docs/PERF.md "Backward: where the time goes")
+  const int item = blockIdx.x % a.num_items;
+  const int hk = blockIdx.x / a.num_items;
   const int* w = a.work + item * 8;
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = w[4];
   const int n_iter = per_head * group;

@@ -194,9 +194,14 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   auto stage = [](int t) { return t % kStages; };
   auto parity = [](int t) { return (uint32_t)((t / kStages) & 1); };  // of key tile t's use of its stage
 
-  const int item = blockIdx.x / a.hq;
-  const int h = blockIdx.x % a.hq;
-  const int hk = h / (a.hq / a.hkv);
+  // kv-head-major block order (kv head, item, query head of its group): the CTAs resident at once
+  // stream one kv head's K/V, so L2 keeps it (item-major, all 8 kv heads' K/V competed: on
+  // (16, 65536, 2048) 131 GB of DRAM reads instead of 5, the forward 5 % slower; docs/PERF.md)
+  const int group = a.hq / a.hkv;
+  const int per_hk = a.num_items * group;
+  const int hk = (int)(blockIdx.x / per_hk);
+  const int item = (int)(blockIdx.x % per_hk) / group;
+  const int h = hk * group + (int)(blockIdx.x % group);
   const int* w = a.work + item * 8;
   const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4], qloc = w[6];
   const int n_par = (par1 - par0 + kBK - 1) / kBK;

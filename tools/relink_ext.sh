@@ -15,7 +15,11 @@ objs=$(sed -n 's/^build _C.so: link //p' "$from/build.ninja")
 inc=$(cd "$(dirname "$0")/../csrc" && pwd)
 for src in "$@"; do
   obj="$out/$(basename "${src%.cu}").cuda.o"
-  eval /usr/local/cuda/bin/nvcc $flags -I"$inc" -c "$src" -o "$obj" 2>&1 | grep -E "spill|error|warning" | sort | uniq -c || true
+  log="$out/$(basename "$src").log"
+  if ! eval /usr/local/cuda/bin/nvcc $flags -I"$inc" -c "$src" -o "$obj" > "$log" 2>&1; then
+    grep -E "error" "$log"; echo "compile failed: $src (log $log)"; exit 1
+  fi
+  grep -E "spill|warning" "$log" | sort | uniq -c || true
 done
 (cd "$out" && c++ $objs $ldflags -o _C.so)
 echo "linked $out/_C.so"
