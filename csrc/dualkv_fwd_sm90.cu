@@ -16,6 +16,7 @@
 #include "dualkv_kernels.h"
 #include "wgmma_ops.h"
 #include "sm90_common.h"
+#include "work_items.h"
 
 namespace mdkv {
 namespace sm90 {
@@ -34,12 +35,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
   const int item = blockIdx.x / a.hq;
   const int h = blockIdx.x % a.hq;
   const int hk = h / (a.hq / a.hkv);
-  const int* w = a.work + item * 8;
-  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4];
-  const int n_par = (par1 - par0 + kBK - 1) / kBK;
-  const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;
-  auto kv_start = [&](int t) { return t < n_par ? par0 + t * kBK : self0 + (t - n_par) * kBK; };
-  auto kv_end = [&](int t) { return t < n_par ? par1 : q1; };
+  RowItem<kBK> tile;
+  tile.init(a.work + item * 8);
+  const int q0 = tile.q0, q1 = tile.q1;
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;
   const T* qg = reinterpret_cast<const T*>(a.q) + h * D;
@@ -51,8 +49,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
   const int row_a = q0 + wg * 64 + warp * 16 + (lane >> 2);  // rows row_a and row_a + 8
 
   load_tile<T, D, kBQ>(sQ, qg, qs, q0, q1);
-  load_tile<T, D, kBK>(sK, kg, ks, kv_start(0), kv_end(0));
-  load_tile<T, D, kBK>(sV, vg, ks, kv_start(0), kv_end(0));
+  load_tile<T, D, kBK>(sK, kg, ks, tile.kv_start(0), tile.kv_end(0));
+  load_tile<T, D, kBK>(sV, vg, ks, tile.kv_start(0), tile.kv_end(0));
   cp_async_commit();
 
   float o[D / 2];
@@ -61,11 +59,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float sl2 = a.scale_log2;
 
-  for (int t = 0; t < n_total; ++t) {
+  for (int t = 0; t < tile.n_total; ++t) {
     const int st = t & 1;
-    if (t + 1 < n_total) {
-      load_tile<T, D, kBK>(sK + (st ^ 1) * kBK * D, kg, ks, kv_start(t + 1), kv_end(t + 1));
-      load_tile<T, D, kBK>(sV + (st ^ 1) * kBK * D, vg, ks, kv_start(t + 1), kv_end(t + 1));
+    if (t + 1 < tile.n_total) {
+      load_tile<T, D, kBK>(sK + (st ^ 1) * kBK * D, kg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
+      load_tile<T, D, kBK>(sV + (st ^ 1) * kBK * D, vg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -78,57 +76,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
     // S [64 x kBK] per warpgroup
     float s[kBK / 2];
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da = desc(sQ + (kk >> 2) * kBQ * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
-      const uint64_t db = desc(cK + (kk >> 2) * kBK * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<kBK, T>(s, da, db, kk > 0 ? 1 : 0);
-    }
+    wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQ, wg * 64, cK);
     wg_commit();
     wg_wait<0>();
     reg_fence(s);
 
-    const int k0 = kv_start(t);
-    const bool is_par = t < n_par;
-    const bool msk = is_par ? (k0 + kBK > par1) : (k0 + kBK - 1 > q0);
-    if (msk) {
-#pragma unroll
-      for (int j = 0; j < kBK / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
-          const int row = row_a + (e >> 1) * 8;
-          const bool ok = is_par ? (col < par1) : (col <= row);
-          if (!ok) s[4 * j + e] = -INFINITY;
-        }
-    }
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kBK / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-      mx = quad_max(mx) * sl2;
-      const float mnew = fmaxf(m[r], mx);
-      const float b = mnew == -INFINITY ? 0.f : mnew;
-      const float alpha = exp2f(m[r] - b);
-      m[r] = mnew;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBK / 8; ++j) {
-        const float p0 = exp2f(fmaf(s[4 * j + 2 * r], sl2, -b));
-        const float p1 = exp2f(fmaf(s[4 * j + 2 * r + 1], sl2, -b));
-        s[4 * j + 2 * r] = p0;
-        s[4 * j + 2 * r + 1] = p1;
-        sum += p0 + p1;
-      }
-      l[r] = l[r] * alpha + sum;
+    mask_scores<kBK>(s, tile.kv_start(t), t < tile.n_par, tile.par1, row_a, q0, lane);
+    softmax_update<kBK>(s, m, l, sl2, [&](int r, float alpha) {
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         o[4 * j + 2 * r] *= alpha;
         o[4 * j + 2 * r + 1] *= alpha;
       }
-    }
+    });
 
     uint32_t pa[kBK / 16][4];
 #pragma unroll
@@ -140,11 +100,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
     }
     reg_fence(o);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk) {
-      const uint64_t db = desc(cV + kk * 16 * 64, kBK * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(o, pa[kk], db, 1);
-    }
+    wgmma_regs_x_tile<T, D, kBK>(o, pa, cV);
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
@@ -159,13 +115,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     const int row = row_a + r * 8;
     if (row < q1) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint32_t v = pack2<T>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        *reinterpret_cast<uint32_t*>(og + (long)row * qs + j * 8 + (lane & 3) * 2) = v;
-      }
-      if ((lane & 3) == 0)
-        a.lse[(long)h * a.T + row] = lsum > 0.f ? (m[r] + log2f(lsum)) * 0.69314718055994531f : -INFINITY;
+      store_frag_row<T, D>(og, qs, row, lane, o, r, inv);
+      if ((lane & 3) == 0) a.lse[(long)h * a.T + row] = row_lse(m[r], lsum);
     }
   }
 }

@@ -22,6 +22,8 @@
 #include <math.h>
 
 #include "dualkv_kernels.h"
+#include "device_common.h"
+#include "work_items.h"
 
 namespace mdkv {
 
@@ -31,27 +33,6 @@ constexpr int kThreads = 128;  // 4 warps, 16 rows each
 // ------------------------------------------------------------------------------------------
 // small PTX helpers
 // ------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -65,40 +46,26 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// c[16 x 8] += a[16 x 16] b[16 x 8] (mma.sync m16n8k16, fp32 accumulators); PTX names T in the opcode
+#define MDKV_MMA_M16N8K16(TY)                                                                               \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+               "{%8, %9}, {%0, %1, %2, %3};\n"                                                           \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <typename T>
-struct Elem;
-
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 template <>
-struct Elem<__nv_bfloat16> {
-  __device__ __forceinline__ static uint32_t pack(float a, float b) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-};
-
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  MDKV_MMA_M16N8K16("bf16");
+}
 template <>
-struct Elem<__half> {
-  __device__ __forceinline__ static uint32_t pack(float a, float b) {
-    __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
-};
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  MDKV_MMA_M16N8K16("f16");
+}
+#undef MDKV_MMA_M16N8K16
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 // A [kTile x D] tile in shared memory: row-major, 16-byte chunks XOR-swizzled by (row & 7) so that
 // ldmatrix over 8 consecutive rows hits 8 distinct bank groups.
@@ -111,26 +78,7 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // or past row_end are zero-filled.
 template <typename T, int D>
 __device__ __forceinline__ void load_tile(T* s, const T* g, long stride, int row0, int row_end) {
-  constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < kTile * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int row = row0 + r;
-    const bool valid = row < row_end;
-    const T* src = g + (valid ? (long)row * stride + c * 8 : 0);
-    cp_async16(smem_addr(s + swz<D>(r, c)), src, valid);
-  }
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-  return x;
-}
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  x += __shfl_xor_sync(0xffffffffu, x, 2);
-  return x;
+  load_rows<T, D, kTile, kThreads>(s, g, stride, row0, row_end, [](int r, int c) { return swz<D>(r, c); });
 }
 
 // acc[16 x 64] (8 n-tiles) += A[16 x D] * B^T where A's rows start at a_row of tile sA and B's 64
@@ -146,8 +94,8 @@ __device__ __forceinline__ void mma_rows_x_rows(float (&acc)[8][4], const T* sA,
     for (int np = 0; np < 4; ++np) {
       uint32_t b[4];
       ldsm_x4(b, smem_addr(sB + swz<D>(np * 16 + (lane & 7) + (lane >> 4) * 8, kk * 2 + ((lane >> 3) & 1))));
-      Elem<T>::mma(acc[2 * np], a, b[0], b[1]);
-      Elem<T>::mma(acc[2 * np + 1], a, b[2], b[3]);
+      mma16816<T>(acc[2 * np], a, b[0], b[1]);
+      mma16816<T>(acc[2 * np + 1], a, b[2], b[3]);
     }
   }
 }
@@ -160,16 +108,16 @@ __device__ __forceinline__ void mma_regs_x_tile(float (&acc)[D / 8][4], const fl
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     uint32_t a[4];
-    a[0] = Elem<T>::pack(p[2 * kk][0], p[2 * kk][1]);
-    a[1] = Elem<T>::pack(p[2 * kk][2], p[2 * kk][3]);
-    a[2] = Elem<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    a[3] = Elem<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    a[0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
+    a[1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
+    a[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
       ldsm_x4_t(b, smem_addr(sB + swz<D>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4))));
-      Elem<T>::mma(acc[2 * dp], a, b[0], b[1]);
-      Elem<T>::mma(acc[2 * dp + 1], a, b[2], b[3]);
+      mma16816<T>(acc[2 * dp], a, b[0], b[1]);
+      mma16816<T>(acc[2 * dp + 1], a, b[2], b[3]);
     }
   }
 }
@@ -178,30 +126,7 @@ __device__ __forceinline__ void mma_regs_x_tile(float (&acc)[D / 8][4], const fl
 // Row kernels: forward (out, lse) and dQ. One CTA per (query tile, query head).
 // ------------------------------------------------------------------------------------------
 
-struct RowTile {
-  int q0, q1, self0, par0, par1, n_par, n_total;
-  __device__ __forceinline__ void init(const int* w) {
-    q0 = w[0];
-    q1 = w[1];
-    self0 = w[2];
-    par0 = w[3];
-    par1 = w[4];
-    n_par = (par1 - par0 + kTile - 1) / kTile;
-    n_total = n_par + (q1 - self0 + kTile - 1) / kTile;
-  }
-  __device__ __forceinline__ int kv_start(int t) const {
-    return t < n_par ? par0 + t * kTile : self0 + (t - n_par) * kTile;
-  }
-  __device__ __forceinline__ int kv_end(int t) const { return t < n_par ? par1 : q1; }
-  // does tile t need masking: the parent's tail, or a causal tile reaching past the first query row
-  __device__ __forceinline__ bool needs_mask(int t) const {
-    const int k0 = kv_start(t);
-    return t < n_par ? (k0 + kTile > par1) : (k0 + kTile - 1 > q0);
-  }
-  __device__ __forceinline__ bool allowed(int t, int row, int col) const {
-    return t < n_par ? (col < par1) : (col <= row);
-  }
-};
+using RowTile = RowItem<kTile>;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(FwdArgs a) {
@@ -302,15 +227,8 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(FwdArgs a) {
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     const int row = row_a + r * 8;
     if (row < tile.q1) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint32_t v = Elem<T>::pack(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
-        *reinterpret_cast<uint32_t*>(og + (long)row * qs + j * 8 + (lane & 3) * 2) = v;
-      }
-      if ((lane & 3) == 0) {
-        // natural-log LSE; m is in log2 units of the scaled scores
-        a.lse[(long)h * a.T + row] = lsum > 0.f ? (m[r] + log2f(lsum)) * 0.69314718055994531f : -INFINITY;
-      }
+      store_frag_row<T, D>(og, qs, row, lane, o, r, inv);
+      if ((lane & 3) == 0) a.lse[(long)h * a.T + row] = row_lse(m[r], lsum);
     }
   }
 }
@@ -326,7 +244,7 @@ __global__ void delta_kernel(DeltaArgs a) {
   const T* d = reinterpret_cast<const T*>(a.dout) + ((long)i * a.hq + h) * D;
   float acc = 0.f;
 #pragma unroll
-  for (int c = lane; c < D; c += 32) acc += Elem<T>::to_float(o[c]) * Elem<T>::to_float(d[c]);
+  for (int c = lane; c < D; c += 32) acc += to_float(o[c]) * to_float(d[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {
@@ -423,13 +341,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(DqArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row_a + r * 8;
-    if (row < tile.q1) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint32_t v = Elem<T>::pack(dq[j][2 * r] * a.scale, dq[j][2 * r + 1] * a.scale);
-        *reinterpret_cast<uint32_t*>(dqg + (long)row * qs + j * 8 + (lane & 3) * 2) = v;
-      }
-    }
+    if (row < tile.q1) store_frag_row<T, D>(dqg, qs, row, lane, dq, r, a.scale);
   }
 }
 
@@ -460,21 +372,8 @@ struct KvTile {
       causal = true;
       return;
     }
-    i -= n_own;
-    for (int r = rlo; r < rhi; ++r) {
-      const int a = ranges[2 * r], b = ranges[2 * r + 1];
-      const int n = (b - a + kTile - 1) / kTile;
-      if (i < n) {
-        q0 = a + i * kTile;
-        qend = b;
-        causal = false;
-        return;
-      }
-      i -= n;
-    }
-    q0 = 0;
-    qend = 0;
-    causal = false;  // unreachable for a consistent work list
+    causal = false;
+    child_query_tile<kTile>(ranges, rlo, rhi, i - n_own, q0, qend);
   }
 };
 
@@ -589,8 +488,8 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         const long off = (long)row * ks + j * 8 + (lane & 3) * 2;
-        *reinterpret_cast<uint32_t*>(dkg + off) = Elem<T>::pack(dk[j][2 * r] * a.scale, dk[j][2 * r + 1] * a.scale);
-        *reinterpret_cast<uint32_t*>(dvg + off) = Elem<T>::pack(dv[j][2 * r], dv[j][2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(dkg + off) = pack2<T>(dk[j][2 * r] * a.scale, dk[j][2 * r + 1] * a.scale);
+        *reinterpret_cast<uint32_t*>(dvg + off) = pack2<T>(dv[j][2 * r], dv[j][2 * r + 1]);
       }
     }
   }

@@ -1,5 +1,5 @@
 // Shared helpers of the Hopper (sm_90a) kernels: cp.async tile loads into the 128-byte-swizzled
-// panel layout that wgmma reads, wgmma descriptors and fences.
+// panel layout that wgmma reads, wgmma descriptors, fences and the tile-wide wgmma loops.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -7,30 +7,20 @@
 #include <stdint.h>
 #include <math.h>
 
+#include "device_common.h"
 #include "wgmma_ops.h"
 
 namespace mdkv {
 namespace sm90 {
 
+// the shared helpers as members of sm90 too, for the `using sm90::...` declarations of the ws kernels
+using mdkv::pack2;
+using mdkv::quad_max;
+using mdkv::quad_sum;
+using mdkv::smem_addr;
+
 constexpr int kThreads = 256;  // 2 warpgroups
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -45,19 +35,6 @@ __device__ __forceinline__ void reg_fence(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // Tile [ROWS][D] as D/64 panels of [ROWS][64]: 128-byte rows, 16-byte chunk c of row r stored at
 // chunk (c ^ (r & 7)) -- the hardware's 128-byte swizzle when each panel starts 1024-aligned.
 template <int ROWS>
@@ -67,14 +44,7 @@ __device__ __forceinline__ int poff(int r, int c) {
 
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(T* s, const T* g, long stride, int row0, int row_end) {
-  constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int row = row0 + r;
-    const bool valid = row < row_end;
-    const T* src = g + (valid ? (long)row * stride + c * 8 : 0);
-    cp_async16(smem_addr(s + poff<ROWS>(r, c)), src, valid);
-  }
+  load_rows<T, D, ROWS, kThreads>(s, g, stride, row0, row_end, [](int r, int c) { return poff<ROWS>(r, c); });
 }
 
 // wgmma shared-memory descriptor, 128-byte swizzle
@@ -84,15 +54,78 @@ __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo_bytes, uint
          ((uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-  return x;
+// D[64 x N] (+)= A B^T over all D columns (issue only; the caller fences, commits and waits):
+// A = rows a_row0 .. a_row0 + 63 of an [RA x D] tile, B an [N x D] tile, both as panels (poff),
+// K-major; the first MMA overwrites D.
+template <typename T, int D, int RA, int N>
+__device__ __forceinline__ void wgmma_rows_x_rows(float (&d)[N / 2], const T* sA, int a_row0, const T* sB) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t da = desc(sA + (kk >> 2) * RA * 64 + a_row0 * 64 + (kk & 3) * 16, 16, 1024);
+    const uint64_t db = desc(sB + (kk >> 2) * N * 64 + (kk & 3) * 16, 16, 1024);
+    wgmma_ss<N, T>(d, da, db, kk > 0 ? 1 : 0);
+  }
 }
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  x += __shfl_xor_sync(0xffffffffu, x, 2);
-  return x;
+
+// D[64 x D] += P B (issue only): P [64 x K] in registers (K / 16 A fragments), B a [K x D] tile
+// (panels, read N-major)
+template <typename T, int D, int K>
+__device__ __forceinline__ void wgmma_regs_x_tile(float (&d)[D / 2], const uint32_t (&p)[K / 16][4], const T* sB) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    const uint64_t db = desc(sB + kk * 16 * 64, K * 64 * (int)sizeof(T), 1024);
+    wgmma_rs_tb<D, T>(d, p[kk], db, 1);
+  }
+}
+
+// -inf into the scores S [64 x N] (this thread: rows row_a, row_a + 8) of key tile [k0, k0 + N)
+// where a query row may not see the key: from the parent's end par1 on (is_par), or past the row
+// itself (causal). Skipped for a tile that holds neither (first_row: the smallest query row).
+template <int N>
+__device__ __forceinline__ void mask_scores(float (&s)[N / 2], int k0, bool is_par, int par1, int row_a,
+                                            int first_row, int lane) {
+  const bool msk = is_par ? (k0 + N > par1) : (k0 + N - 1 > first_row);
+  if (msk) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+        const int row = row_a + (e >> 1) * 8;
+        const bool ok = is_par ? (col < par1) : (col <= row);
+        if (!ok) s[4 * j + e] = -INFINITY;
+      }
+  }
+}
+
+// Online softmax step over the scores S [64 x N] (log2 scale sl2): S becomes the unnormalised P in
+// place, the running max m (log2 units) and sum l are updated; then, per row half r,
+// rescaled(r, alpha) with the factor its output rows must be multiplied by.
+template <int N, typename Rescale>
+__device__ __forceinline__ void softmax_update(float (&s)[N / 2], float (&m)[2], float (&l)[2], float sl2,
+                                               Rescale rescaled) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    mx = quad_max(mx) * sl2;
+    const float mnew = fmaxf(m[r], mx);
+    const float b = mnew == -INFINITY ? 0.f : mnew;
+    const float alpha = exp2f(m[r] - b);
+    m[r] = mnew;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      const float p0 = exp2f(fmaf(s[4 * j + 2 * r], sl2, -b));
+      const float p1 = exp2f(fmaf(s[4 * j + 2 * r + 1], sl2, -b));
+      s[4 * j + 2 * r] = p0;
+      s[4 * j + 2 * r + 1] = p1;
+      sum += p0 + p1;
+    }
+    l[r] = l[r] * alpha + sum;
+    rescaled(r, alpha);
+  }
 }
 
 }  // namespace sm90

@@ -1,0 +1,100 @@
+// Device helpers of every DualKV kernel (the mma.sync kernels of dualkv_kernels.cu and the Hopper
+// ones): cp.async, bf16/fp16 packing, quad reductions and the store of accumulator fragments.
+// Nothing here needs more than sm_80.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <math.h>
+
+namespace mdkv {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Copy rows [row0, row0 + ROWS) of one head of a [T, H, D] tensor (`stride` elements from row to
+// row) into a shared-memory tile, 16-byte chunk c of tile row r at s + off(r, c), spread over
+// THREADS threads; rows at or past row_end are zero-filled.
+template <typename T, int D, int ROWS, int THREADS, typename Off>
+__device__ __forceinline__ void load_rows(T* s, const T* g, long stride, int row0, int row_end, Off off) {
+  constexpr int kChunks = D / 8;
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = row0 + r;
+    const bool valid = row < row_end;
+    const T* src = g + (valid ? (long)row * stride + c * 8 : 0);
+    cp_async16(smem_addr(s + off(r, c)), src, valid);
+  }
+}
+
+// two floats rounded to one packed pair of T (the low half is a)
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// max / sum over the 4 lanes of a quad (the threads that share a row of an MMA accumulator)
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return x;
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+// natural-log LSE of a row from its running max m (log2 units of the scaled scores) and its
+// quad-summed l; -inf for a row that saw no key
+__device__ __forceinline__ float row_lse(float m, float lsum) {
+  return lsum > 0.f ? (m + log2f(lsum)) * 0.69314718055994531f : -INFINITY;
+}
+
+// Element e (0..3) of 8-column block j of an accumulator fragment (mma.sync m16n8 / wgmma m64:
+// row + (e >> 1) * 8, column 8 j + 2 (lane & 3) + (e & 1)), held as [blocks][4] or flat.
+template <int N>
+__device__ __forceinline__ float frag(const float (&acc)[N][4], int j, int e) {
+  return acc[j][e];
+}
+template <int N>
+__device__ __forceinline__ float frag(const float (&acc)[N], int j, int e) {
+  return acc[4 * j + e];
+}
+
+// Row half r (its row `row`) of the fragment times `scale`, as T into g[row * stride + column]
+template <typename T, int D, typename Acc>
+__device__ __forceinline__ void store_frag_row(T* g, long stride, long row, int lane, const Acc& acc, int r,
+                                               float scale) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    const uint32_t v = pack2<T>(frag(acc, j, 2 * r) * scale, frag(acc, j, 2 * r + 1) * scale);
+    *reinterpret_cast<uint32_t*>(g + (row * stride + j * 8 + (lane & 3) * 2)) = v;
+  }
+}
+
+}  // namespace mdkv
