@@ -10,6 +10,8 @@
 
 namespace mdkv {
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -86,15 +88,72 @@ __device__ __forceinline__ float frag(const float (&acc)[N], int j, int e) {
   return acc[4 * j + e];
 }
 
+// the two elements of row half r in 8-column block j (times scale), as one packed pair of T
+template <typename T, typename Acc>
+__device__ __forceinline__ uint32_t frag_pack(const Acc& acc, int j, int r) {
+  return pack2<T>(frag(acc, j, 2 * r), frag(acc, j, 2 * r + 1));
+}
+template <typename T, typename Acc>
+__device__ __forceinline__ uint32_t frag_pack(const Acc& acc, int j, int r, float scale) {
+  return pack2<T>(frag(acc, j, 2 * r) * scale, frag(acc, j, 2 * r + 1) * scale);
+}
+
 // Row half r (its row `row`) of the fragment times `scale`, as T into g[row * stride + column]
 template <typename T, int D, typename Acc>
 __device__ __forceinline__ void store_frag_row(T* g, long stride, long row, int lane, const Acc& acc, int r,
                                                float scale) {
 #pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+    *reinterpret_cast<uint32_t*>(g + (row * stride + j * 8 + (lane & 3) * 2)) = frag_pack<T>(acc, j, r, scale);
+}
+
+// The same for a key row of dK (times scale) and dV, stored interleaved
+template <typename T, int D, typename Acc>
+__device__ __forceinline__ void store_dk_dv_row(T* dkg, T* dvg, long stride, long row, int lane, const Acc& dk,
+                                                const Acc& dv, int r, float scale) {
+#pragma unroll
   for (int j = 0; j < D / 8; ++j) {
-    const uint32_t v = pack2<T>(frag(acc, j, 2 * r) * scale, frag(acc, j, 2 * r + 1) * scale);
-    *reinterpret_cast<uint32_t*>(g + (row * stride + j * 8 + (lane & 3) * 2)) = v;
+    const long off = row * stride + j * 8 + (lane & 3) * 2;
+    *reinterpret_cast<uint32_t*>(dkg + off) = frag_pack<T>(dk, j, r, scale);
+    *reinterpret_cast<uint32_t*>(dvg + off) = frag_pack<T>(dv, j, r);
   }
+}
+
+// lse and delta of query rows [q0, q0 + kRows) of head h ([heads, T] each) into sL, sD with
+// cp.async, one row per thread of the first kRows; rows at or past qend read as zeros
+template <int kRows>
+__device__ __forceinline__ void load_lse_delta(float* sL, float* sD, const float* lse, const float* delta, int h,
+                                               int T, int q0, int qend) {
+  if (threadIdx.x < kRows) {  // asynchronous too: a plain load here would stall this warp every step
+    const int row = q0 + threadIdx.x;
+    const bool ok = row < qend;
+    const long idx = (long)h * T + (ok ? row : 0);
+    cp_async4(smem_addr(sL + threadIdx.x), lse + idx, ok);
+    cp_async4(smem_addr(sD + threadIdx.x), delta + idx, ok);
+  }
+}
+
+// lse (in log2 units) and delta of this thread's query rows row_a, row_a + 8 (zeros from q_end on)
+__device__ __forceinline__ void load_row_lse_delta(float (&lse2)[2], float (&dlt)[2], const float* lse,
+                                                   const float* delta, int h, int T, int row_a, int q_end) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_a + r * 8;
+    const bool ok = row < q_end;
+    lse2[r] = ok ? lse[(long)h * T + row] * kLog2e : 0.f;
+    dlt[r] = ok ? delta[(long)h * T + row] : 0.f;
+  }
+}
+
+// host: allow `kernel` smem bytes of dynamic shared memory, then launch it on `blocks` CTAs (none:
+// no launch) and return the launch error
+template <typename Kernel, typename Args>
+cudaError_t launch_kernel(Kernel kernel, unsigned blocks, int threads, int smem, cudaStream_t stream,
+                          const Args& args) {
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  if (blocks > 0) kernel<<<blocks, threads, smem, stream>>>(args);
+  return cudaGetLastError();
 }
 
 }  // namespace mdkv

@@ -21,6 +21,7 @@
 #include "dualkv_kernels.h"
 #include "wgmma_ops.h"
 #include "sm90_common.h"
+#include "work_items.h"
 
 namespace mdkv {
 namespace sm90 {
@@ -29,7 +30,6 @@ constexpr int kKV = 128;  // dK/dV: key rows per CTA
 constexpr int kQT = 64;   // dK/dV: query rows per step
 constexpr int kRQ = 128;  // dQ: query rows per CTA
 constexpr int kRK = 64;   // dQ: key rows per step
-constexpr float kLog2e = 1.4426950408889634f;
 
 // kAtomicDQ: also dQ += dS K for the query tile, added to a.dq_acc with fp32 atomics (fast mode)
 template <typename T, int D, bool kAtomicDQ>
@@ -70,21 +70,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
       causal = false;
       return;
     }
-    i -= r0n;
-    for (int r = rlo + 1; r < rhi; ++r) {
-      const int ra = a.ranges[2 * r], rb = a.ranges[2 * r + 1];
-      const int n = (rb - ra + kQT - 1) / kQT;
-      if (i < n) {
-        q0 = ra + i * kQT;
-        qend = rb;
-        causal = false;
-        return;
-      }
-      i -= n;
-    }
-    q0 = 0;
-    qend = 0;
     causal = false;
+    child_query_tile<kQT>(a.ranges, rlo + 1, rhi, i - r0n, q0, qend);
   };
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;
@@ -107,13 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
     const T* dog = reinterpret_cast<const T*>(a.dout) + h * D;
     load_tile<T, D, kQT>(sQ + stage * kQT * D, qg, qs, q0, qend);
     load_tile<T, D, kQT>(sdO + stage * kQT * D, dog, qs, q0, qend);
-    if (threadIdx.x < kQT) {  // asynchronous too: a plain load here would stall this warp every step
-      const int row = q0 + threadIdx.x;
-      const bool ok = row < qend;
-      const long idx = (long)h * a.T + (ok ? row : 0);
-      cp_async4(smem_addr(sL + stage * kQT + threadIdx.x), a.lse + idx, ok);
-      cp_async4(smem_addr(sD + stage * kQT + threadIdx.x), a.delta + idx, ok);
-    }
+    load_lse_delta<kQT>(sL + stage * kQT, sD + stage * kQT, a.lse, a.delta, h, a.T, q0, qend);
   };
 
   if (n_iter > 0) issue(0, 0);
@@ -143,18 +124,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
 
     float s[32], dp[32];
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t dk_ = desc(sK + (kk >> 2) * kKV * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
-      const uint64_t dq_ = desc(cQ + (kk >> 2) * kQT * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<64, T>(s, dk_, dq_, kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t dv_ = desc(sV + (kk >> 2) * kKV * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
-      const uint64_t do_ = desc(cdO + (kk >> 2) * kQT * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<64, T>(dp, dv_, do_, kk > 0 ? 1 : 0);
-    }
+    wgmma_rows_x_rows<T, D, kKV, kQT>(s, sK, wg * 64, cQ);
+    wgmma_rows_x_rows<T, D, kKV, kQT>(dp, sV, wg * 64, cdO);
     wg_commit();
     wg_wait<0>();
     reg_fence(s);
@@ -201,16 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
     reg_fence(dv);
     reg_fence(dk);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t b = desc(cdO + kk * 16 * 64, kQT * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(dv, pa[kk], b, 1);
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t b = desc(cQ + kk * 16 * 64, kQT * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(dk, da[kk], b, 1);
-    }
+    wgmma_regs_x_tile<T, D, kQT>(dv, pa, cdO);
+    wgmma_regs_x_tile<T, D, kQT>(dk, da, cQ);
     // warpgroup wg computes dQ[:, 64 wg : 64 wg + 64] (for D = 64 only warpgroup 0 works)
     const bool dq_here = kAtomicDQ && (D == 128 || wg == 0);  // compile-time true for D = 128
     if (dq_here) {
@@ -248,14 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = krow_a + r * 8;
-    if (row < k1) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const long off = (long)row * ks + j * 8 + (lane & 3) * 2;
-        *reinterpret_cast<uint32_t*>(dkg + off) = pack2<T>(dk[4 * j + 2 * r] * a.scale, dk[4 * j + 2 * r + 1] * a.scale);
-        *reinterpret_cast<uint32_t*>(dvg + off) = pack2<T>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
-      }
-    }
+    if (row < k1) store_dk_dv_row<T, D>(dkg, dvg, ks, row, lane, dk, dv, r, a.scale);
   }
 }
 
@@ -271,12 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
   const int item = blockIdx.x / a.hq;
   const int h = blockIdx.x % a.hq;
   const int hk = h / (a.hq / a.hkv);
-  const int* w = a.work + item * 8;
-  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4];
-  const int n_par = (par1 - par0 + kRK - 1) / kRK;
-  const int n_total = n_par + (q1 - self0 + kRK - 1) / kRK;
-  auto kv_start = [&](int t) { return t < n_par ? par0 + t * kRK : self0 + (t - n_par) * kRK; };
-  auto kv_end = [&](int t) { return t < n_par ? par1 : q1; };
+  RowItem<kRK> tile;
+  tile.init(a.work + item * 8);
+  const int q0 = tile.q0, q1 = tile.q1;
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;
   const T* qg = reinterpret_cast<const T*>(a.q) + h * D;
@@ -290,29 +243,23 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
 
   load_tile<T, D, kRQ>(sQ, qg, qs, q0, q1);
   load_tile<T, D, kRQ>(sdO, dog, qs, q0, q1);
-  load_tile<T, D, kRK>(sK, kg, ks, kv_start(0), kv_end(0));
-  load_tile<T, D, kRK>(sV, vg, ks, kv_start(0), kv_end(0));
+  load_tile<T, D, kRK>(sK, kg, ks, tile.kv_start(0), tile.kv_end(0));
+  load_tile<T, D, kRK>(sV, vg, ks, tile.kv_start(0), tile.kv_end(0));
   cp_async_commit();
 
   const float sl2 = a.scale_log2;
   float lse2[2], dlt[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_a + r * 8;
-    const bool ok = row < q1;
-    lse2[r] = ok ? a.lse[(long)h * a.T + row] * kLog2e : 0.f;
-    dlt[r] = ok ? a.delta[(long)h * a.T + row] : 0.f;
-  }
+  load_row_lse_delta(lse2, dlt, a.lse, a.delta, h, a.T, row_a, q1);
 
   float dq[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
 
-  for (int t = 0; t < n_total; ++t) {
+  for (int t = 0; t < tile.n_total; ++t) {
     const int st = t & 1;
-    if (t + 1 < n_total) {
-      load_tile<T, D, kRK>(sK + (st ^ 1) * kRK * D, kg, ks, kv_start(t + 1), kv_end(t + 1));
-      load_tile<T, D, kRK>(sV + (st ^ 1) * kRK * D, vg, ks, kv_start(t + 1), kv_end(t + 1));
+    if (t + 1 < tile.n_total) {
+      load_tile<T, D, kRK>(sK + (st ^ 1) * kRK * D, kg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
+      load_tile<T, D, kRK>(sV + (st ^ 1) * kRK * D, vg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -323,26 +270,16 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
     const T* cV = sV + st * kRK * D;
     float s[32], dp[32];
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da_ = desc(sQ + (kk >> 2) * kRQ * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
-      const uint64_t db_ = desc(cK + (kk >> 2) * kRK * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<64, T>(s, da_, db_, kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da_ = desc(sdO + (kk >> 2) * kRQ * 64 + wg * 64 * 64 + (kk & 3) * 16, 16, 1024);
-      const uint64_t db_ = desc(cV + (kk >> 2) * kRK * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<64, T>(dp, da_, db_, kk > 0 ? 1 : 0);
-    }
+    wgmma_rows_x_rows<T, D, kRQ, kRK>(s, sQ, wg * 64, cK);
+    wgmma_rows_x_rows<T, D, kRQ, kRK>(dp, sdO, wg * 64, cV);
     wg_commit();
     wg_wait<0>();
     reg_fence(s);
     reg_fence(dp);
 
-    const int k0 = kv_start(t);
-    const bool is_par = t < n_par;
-    const bool msk = is_par ? (k0 + kRK > par1) : (k0 + kRK - 1 > q0);
+    const int k0 = tile.kv_start(t);
+    const bool is_par = t < tile.n_par;
+    const bool msk = tile.needs_mask(t);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -352,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
         if (msk) {
           const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
           const int row = row_a + r * 8;
-          if (!(is_par ? (col < par1) : (col <= row))) p = 0.f;
+          if (!(is_par ? (col < tile.par1) : (col <= row))) p = 0.f;
         }
         s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);  // dS
       }
@@ -364,11 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
       for (int x = 0; x < 4; ++x) da[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
     reg_fence(dq);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t b = desc(cK + kk * 16 * 64, kRK * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(dq, da[kk], b, 1);
-    }
+    wgmma_regs_x_tile<T, D, kRK>(dq, da, cK);
     wg_commit();
     wg_wait<0>();
     reg_fence(dq);
@@ -380,13 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row_a + r * 8;
-    if (row < q1) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint32_t v = pack2<T>(dq[4 * j + 2 * r] * a.scale, dq[4 * j + 2 * r + 1] * a.scale);
-        *reinterpret_cast<uint32_t*>(dqg + (long)row * qs + j * 8 + (lane & 3) * 2) = v;
-      }
-    }
+    if (row < q1) store_frag_row<T, D>(dqg, qs, row, lane, dq, r, a.scale);
   }
 }
 
@@ -395,25 +322,13 @@ static cudaError_t bwd_t(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& k
   cudaError_t e = launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
   const bool atomic_dq = ka.dq_acc != nullptr;
-  {
-    const int smem = (2 * kKV * D + 4 * kQT * D) * (int)sizeof(T) + 4 * kQT * (int)sizeof(float) + 1024 +
-                     (atomic_dq ? kKV * kQT * (int)sizeof(T) + 1024 : 0);
-    auto k = atomic_dq ? dkdv_kernel<T, D, true> : dkdv_kernel<T, D, false>;
-    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    if (ka.num_items > 0) k<<<(unsigned)ka.num_items * ka.hkv, kThreads, smem, stream>>>(ka);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-  }
-  if (!atomic_dq) {
-    const int smem = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
-    auto k = dq_kernel<T, D>;
-    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    if (qa.num_items > 0) k<<<(unsigned)qa.num_items * qa.hq, kThreads, smem, stream>>>(qa);
-    e = cudaGetLastError();
-  }
-  return e;
+  const int smem_kv = (2 * kKV * D + 4 * kQT * D) * (int)sizeof(T) + 4 * kQT * (int)sizeof(float) + 1024 +
+                      (atomic_dq ? kKV * kQT * (int)sizeof(T) + 1024 : 0);
+  e = launch_kernel(atomic_dq ? dkdv_kernel<T, D, true> : dkdv_kernel<T, D, false>, (unsigned)ka.num_items * ka.hkv,
+                    kThreads, smem_kv, stream, ka);
+  if (e != cudaSuccess || atomic_dq) return e;
+  const int smem_q = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
+  return launch_kernel(dq_kernel<T, D>, (unsigned)qa.num_items * qa.hq, kThreads, smem_q, stream, qa);
 }
 
 }  // namespace sm90

@@ -124,12 +124,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
 template <typename T, int D, int kBK, int kMinBlocks>
 static cudaError_t fwd_t(const FwdArgs& a, cudaStream_t stream) {
   const int smem = (kBQ * D + 4 * kBK * D) * (int)sizeof(T) + 1024;
-  auto k = fwd_kernel<T, D, kBK, kMinBlocks>;
-  cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return e;
-  if (a.num_items == 0) return cudaSuccess;
-  k<<<(unsigned)a.num_items * a.hq, kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_kernel(fwd_kernel<T, D, kBK, kMinBlocks>, (unsigned)a.num_items * a.hq, kThreads, smem, stream, a);
 }
 
 }  // namespace sm90

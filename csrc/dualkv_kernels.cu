@@ -284,13 +284,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(DqArgs a) {
 
   const float sl2 = a.scale_log2;
   float lse2[2], dlt[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_a + r * 8;
-    const bool ok = row < tile.q1;
-    lse2[r] = ok ? a.lse[(long)h * a.T + row] * 1.4426950408889634f : 0.f;
-    dlt[r] = ok ? a.delta[(long)h * a.T + row] : 0.f;
-  }
+  load_row_lse_delta(lse2, dlt, a.lse, a.delta, h, a.T, row_a, tile.q1);
 
   float dq[D / 8][4];
 #pragma unroll
@@ -413,13 +407,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
     const T* dog = reinterpret_cast<const T*>(a.dout) + h * D;
     load_tile<T, D>(sQ + stage * kTile * D, qg, qs, q0, qend);
     load_tile<T, D>(sdO + stage * kTile * D, dog, qs, q0, qend);
-    if (threadIdx.x < kTile) {
-      const int row = q0 + threadIdx.x;
-      const bool ok = row < qend;
-      const long idx = (long)h * a.T + (ok ? row : 0);
-      cp_async4(smem_addr(sL + stage * kTile + threadIdx.x), a.lse + idx, ok);
-      cp_async4(smem_addr(sD + stage * kTile + threadIdx.x), a.delta + idx, ok);
-    }
+    load_lse_delta<kTile>(sL + stage * kTile, sD + stage * kTile, a.lse, a.delta, h, a.T, q0, qend);
   };
 
   if (n_iter > 0) issue(0, 0);
@@ -464,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
-        float p = exp2f(fmaf(s[j][e], sl2, -cL[c] * 1.4426950408889634f));
+        float p = exp2f(fmaf(s[j][e], sl2, -cL[c] * kLog2e));
         if (msk) {
           const int qrow = q0 + c;
           const int krow = krow_a + (e >> 1) * 8;
@@ -484,14 +472,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = krow_a + r * 8;
-    if (row < tile.k1) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const long off = (long)row * ks + j * 8 + (lane & 3) * 2;
-        *reinterpret_cast<uint32_t*>(dkg + off) = pack2<T>(dk[j][2 * r] * a.scale, dk[j][2 * r + 1] * a.scale);
-        *reinterpret_cast<uint32_t*>(dvg + off) = pack2<T>(dv[j][2 * r], dv[j][2 * r + 1]);
-      }
-    }
+    if (row < tile.k1) store_dk_dv_row<T, D>(dkg, dvg, ks, row, lane, dk, dv, r, a.scale);
   }
 }
 
@@ -499,60 +480,9 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
 // launchers
 // ------------------------------------------------------------------------------------------
 
-template <typename K>
-static cudaError_t prepare(K kernel, int smem) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-}
-
 template <typename T, int D>
 static cudaError_t fwd_t(const FwdArgs& a, cudaStream_t stream) {
-  const int smem = 5 * kTile * D * sizeof(T);
-  auto k = fwd_kernel<T, D>;
-  cudaError_t e = prepare(k, smem);
-  if (e != cudaSuccess) return e;
-  if (a.num_items == 0) return cudaSuccess;
-  k<<<(unsigned)a.num_items * a.hq, kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
-}
-
-template <typename T, int D>
-static cudaError_t bwd_t(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, cudaStream_t stream) {
-  {
-    const long warps = (long)da.T * da.hq;
-    const int threads = 256;
-    const long blocks = (warps * 32 + threads - 1) / threads;
-    if (blocks > 0) delta_kernel<T, D><<<(unsigned)blocks, threads, 0, stream>>>(da);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-  }
-  {
-    const int smem = 6 * kTile * D * sizeof(T);
-    auto k = dkdv_kernel<T, D>;
-    const int smem_kv = smem + 4 * kTile * sizeof(float);
-    cudaError_t e = prepare(k, smem_kv);
-    if (e != cudaSuccess) return e;
-    if (ka.num_items > 0) k<<<(unsigned)ka.num_items * ka.hkv, kThreads, smem_kv, stream>>>(ka);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-  }
-  {
-    const int smem = 6 * kTile * D * sizeof(T);
-    auto k = dq_kernel<T, D>;
-    cudaError_t e = prepare(k, smem);
-    if (e != cudaSuccess) return e;
-    if (qa.num_items > 0) k<<<(unsigned)qa.num_items * qa.hq, kThreads, smem, stream>>>(qa);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
-cudaError_t launch_fwd(const FwdArgs& a, int dtype, int d, cudaStream_t stream) {
-  if (dtype == kBF16 && d == 128) return fwd_t<__nv_bfloat16, 128>(a, stream);
-  if (dtype == kBF16 && d == 64) return fwd_t<__nv_bfloat16, 64>(a, stream);
-  if (dtype == kFP16 && d == 128) return fwd_t<__half, 128>(a, stream);
-  if (dtype == kFP16 && d == 64) return fwd_t<__half, 64>(a, stream);
-  return cudaErrorInvalidValue;
+  return launch_kernel(fwd_kernel<T, D>, (unsigned)a.num_items * a.hq, kThreads, 5 * kTile * D * sizeof(T), stream, a);
 }
 
 template <typename T, int D>
@@ -562,6 +492,25 @@ static cudaError_t delta_t(const DeltaArgs& da, cudaStream_t stream) {
   const long blocks = (warps * 32 + threads - 1) / threads;
   if (blocks > 0) delta_kernel<T, D><<<(unsigned)blocks, threads, 0, stream>>>(da);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+static cudaError_t bwd_t(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, cudaStream_t stream) {
+  cudaError_t e = delta_t<T, D>(da, stream);
+  if (e != cudaSuccess) return e;
+  const int smem = 6 * kTile * D * sizeof(T);
+  e = launch_kernel(dkdv_kernel<T, D>, (unsigned)ka.num_items * ka.hkv, kThreads, smem + 4 * kTile * sizeof(float),
+                    stream, ka);
+  if (e != cudaSuccess) return e;
+  return launch_kernel(dq_kernel<T, D>, (unsigned)qa.num_items * qa.hq, kThreads, smem, stream, qa);
+}
+
+cudaError_t launch_fwd(const FwdArgs& a, int dtype, int d, cudaStream_t stream) {
+  if (dtype == kBF16 && d == 128) return fwd_t<__nv_bfloat16, 128>(a, stream);
+  if (dtype == kBF16 && d == 64) return fwd_t<__nv_bfloat16, 64>(a, stream);
+  if (dtype == kFP16 && d == 128) return fwd_t<__half, 128>(a, stream);
+  if (dtype == kFP16 && d == 64) return fwd_t<__half, 64>(a, stream);
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_delta(const DeltaArgs& da, int dtype, int d, cudaStream_t stream) {
