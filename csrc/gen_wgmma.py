@@ -6,49 +6,40 @@
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 
-def ss(n, ty):
+def wrapper(name, n, ty, a_param, a_inputs, flags):
+    """One specialization: D[64 x n] (+)= A B with the accumulators d[0 .. n/2), the A operand
+    (a_inputs: one PTX operand each, braced when several registers), the B descriptor db, the
+    scale-d predicate and the immediates `flags` of the wgmma."""
     r = n // 2
     regs = ", ".join(f"%{i}" for i in range(r))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
+    a_ops = ", ".join(f"%{r + i}" for i in range(len(a_inputs)))
+    if len(a_inputs) > 1:
+        a_ops = "{" + a_ops + "}"
+    db, pred = r + len(a_inputs), r + len(a_inputs) + 1
+    ins = ", ".join(a_inputs + ['"l"(db)', '"r"(scale_d)'])
     return f'''template <>
-__device__ __forceinline__ void wgmma_ss<{n}, {TYPES[ty]}>(float (&d)[{r}], uint64_t da, uint64_t db, int scale_d) {{
+__device__ __forceinline__ void {name}<{n}, {TYPES[ty]}>(float (&d)[{r}], {a_param}, uint64_t db, int scale_d) {{
   asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{regs}}}, %{r}, %{r + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{regs}}}, {a_ops}, %{db}, p, {flags};\\n}}\\n"
       : {outs}
-      : "l"(da), "l"(db), "r"(scale_d));
+      : {ins});
 }}
 '''
+
+
+def ss(n, ty):
+    return wrapper("wgmma_ss", n, ty, "uint64_t da", ['"l"(da)'], "1, 1, 0, 0")
 
 
 def rs(n, ty):
-    r = n // 2
-    regs = ", ".join(f"%{i}" for i in range(r))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
-    return f'''template <>
-__device__ __forceinline__ void wgmma_rs_tb<{n}, {TYPES[ty]}>(float (&d)[{r}], const uint32_t (&a)[4], uint64_t db, int scale_d) {{
-  asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{regs}}}, {{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, p, 1, 1, 1;\\n}}\\n"
-      : {outs}
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}}
-'''
+    a = [f'"r"(a[{i}])' for i in range(4)]
+    return wrapper("wgmma_rs_tb", n, ty, "const uint32_t (&a)[4]", a, "1, 1, 1")
 
 
 def ss_tt(n, ty):
-    r = n // 2
-    regs = ", ".join(f"%{i}" for i in range(r))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
-    return f'''template <>
-__device__ __forceinline__ void wgmma_ss_tt<{n}, {TYPES[ty]}>(float (&d)[{r}], uint64_t da, uint64_t db, int scale_d) {{
-  asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{regs}}}, %{r}, %{r + 1}, p, 1, 1, 1, 1;\\n}}\\n"
-      : {outs}
-      : "l"(da), "l"(db), "r"(scale_d));
-}}
-'''
+    return wrapper("wgmma_ss_tt", n, ty, "uint64_t da", ['"l"(da)'], "1, 1, 1, 1")
 
 
 def main():
