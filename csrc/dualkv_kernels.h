@@ -28,13 +28,18 @@ struct DeltaArgs {
   int T, hq;
 };
 
-struct DqArgs {
+// What every backward kernel reads: q [Tq, Hq, D], k, v [T, Hkv, D], dout like q, lse and delta
+// [Hq, Tq]: the first members of DqArgs and DkvArgs.
+struct BwdInputs {
   const void* q;
   const void* k;
   const void* v;
   const void* dout;
   const float* lse;
   const float* delta;
+};
+
+struct DqArgs : BwdInputs {
   void* dq;
   const int* work;  // row items (same list as the forward)
   int num_items;
@@ -42,13 +47,7 @@ struct DqArgs {
   float scale, scale_log2;
 };
 
-struct DkvArgs {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* dout;
-  const float* lse;
-  const float* delta;
+struct DkvArgs : BwdInputs {
   void* dk;
   void* dv;
   const int* work;    // kv items, 8 int32 each
