@@ -148,14 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
       }
 
     uint32_t pa[4][4], da[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        pa[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
-        da[kk][x] = pack2<T>(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
-      }
-    }
+    pack_frags<T, kQT>(pa, s, da, dp);
     float dq[32];
     if (kAtomicDQ) {
       // dS^T rows (key) x cols (query) into shared memory for dQ = dS K (contracts over all 128 keys)
@@ -295,10 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
       }
 
     uint32_t da[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) da[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+    pack_frags<T, kRK>(da, s);
     reg_fence(dq);
     wg_fence();
     wgmma_regs_x_tile<T, D, kRK>(dq, da, cK);

@@ -91,13 +91,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
     });
 
     uint32_t pa[kBK / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk) {
-      pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    pack_frags<T, kBK>(pa, s);
     reg_fence(o);
     wg_fence();
     wgmma_regs_x_tile<T, D, kBK>(o, pa, cV);

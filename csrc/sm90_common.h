@@ -67,6 +67,27 @@ __device__ __forceinline__ void wgmma_rows_x_rows(float (&d)[N / 2], const T* sA
   }
 }
 
+// An accumulator fragment S [64 x K] (fp32) as the K / 16 register A fragments of a wgmma
+template <typename T, int K>
+__device__ __forceinline__ void pack_frags(uint32_t (&p)[K / 16][4], const float (&s)[K / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) p[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+}
+// the same for two fragments (P^T and dS^T of the dK/dV kernels), interleaved
+template <typename T, int K>
+__device__ __forceinline__ void pack_frags(uint32_t (&p)[K / 16][4], const float (&s)[K / 2], uint32_t (&q)[K / 16][4],
+                                           const float (&t)[K / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      p[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+      q[kk][x] = pack2<T>(t[8 * kk + 2 * x], t[8 * kk + 2 * x + 1]);
+    }
+}
+
 // D[64 x D] += P B (issue only): P [64 x K] in registers (K / 16 A fragments), B a [K x D] tile
 // (panels, read N-major)
 template <typename T, int D, int K>
