@@ -79,12 +79,12 @@ __device__ __forceinline__ float row_lse(float m, float lsum) {
 
 // Element e (0..3) of 8-column block j of an accumulator fragment (mma.sync m16n8 / wgmma m64:
 // row + (e >> 1) * 8, column 8 j + 2 (lane & 3) + (e & 1)), held as [blocks][4] or flat.
-template <int N>
-__device__ __forceinline__ float frag(const float (&acc)[N][4], int j, int e) {
+template <typename F, int N>
+__device__ __forceinline__ F& frag(F (&acc)[N][4], int j, int e) {
   return acc[j][e];
 }
-template <int N>
-__device__ __forceinline__ float frag(const float (&acc)[N], int j, int e) {
+template <typename F, int N>
+__device__ __forceinline__ F& frag(F (&acc)[N], int j, int e) {
   return acc[4 * j + e];
 }
 
@@ -105,6 +105,23 @@ __device__ __forceinline__ void store_frag_row(T* g, long stride, long row, int 
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
     *reinterpret_cast<uint32_t*>(g + (row * stride + j * 8 + (lane & 3) * 2)) = frag_pack<T>(acc, j, r, scale);
+}
+
+// The forward's outputs of this thread's rows row_a, row_a + 8 (those below q_end): O / l (l: the
+// quad-summed row sum) as T into og[row * stride + column], the natural-log LSE into lse[row]
+template <typename T, int D, typename Acc>
+__device__ __forceinline__ void store_out_lse(T* og, long stride, float* lse, int row_a, int q_end, int lane,
+                                              const Acc& o, const float (&m)[2], const float (&l)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lsum = quad_sum(l[r]);
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const int row = row_a + r * 8;
+    if (row < q_end) {
+      store_frag_row<T, D>(og, stride, row, lane, o, r, inv);
+      if ((lane & 3) == 0) lse[row] = row_lse(m[r], lsum);
+    }
+  }
 }
 
 // The same for a key row of dK (times scale) and dV, stored interleaved
@@ -142,6 +159,56 @@ __device__ __forceinline__ void load_row_lse_delta(float (&lse2)[2], float (&dlt
     const bool ok = row < q_end;
     lse2[r] = ok ? lse[(long)h * T + row] * kLog2e : 0.f;
     dlt[r] = ok ? delta[(long)h * T + row] : 0.f;
+  }
+}
+
+// -inf into the scores S [rows x N] (fragment; this thread: rows row_a, row_a + 8) of key tile [k0, k0 + N)
+// where a query row may not see the key: from the parent's end par1 on (is_par), or past the row
+// itself (causal). Skipped for a tile that holds neither (first_row: the smallest query row).
+template <int N, typename Acc>
+__device__ __forceinline__ void mask_scores(Acc& s, int k0, bool is_par, int par1, int row_a,
+                                            int first_row, int lane) {
+  const bool msk = is_par ? (k0 + N > par1) : (k0 + N - 1 > first_row);
+  if (msk) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+        const int row = row_a + (e >> 1) * 8;
+        const bool ok = is_par ? (col < par1) : (col <= row);
+        if (!ok) frag(s, j, e) = -INFINITY;
+      }
+  }
+}
+
+// Online softmax step over the scores S [rows x N] (fragment) (log2 scale sl2): S becomes the unnormalised P in
+// place, the running max m (log2 units) and sum l are updated; then, per row half r,
+// rescaled(r, alpha) with the factor its output rows must be multiplied by.
+template <int N, typename Acc, typename Rescale>
+__device__ __forceinline__ void softmax_update(Acc& s, float (&m)[2], float (&l)[2], float sl2,
+                                               Rescale rescaled) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) mx = fmaxf(mx, fmaxf(frag(s, j, 2 * r), frag(s, j, 2 * r + 1)));
+    mx = quad_max(mx) * sl2;
+    const float mnew = fmaxf(m[r], mx);
+    const float b = mnew == -INFINITY ? 0.f : mnew;
+    const float alpha = exp2f(m[r] - b);
+    m[r] = mnew;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      const float p0 = exp2f(fmaf(frag(s, j, 2 * r), sl2, -b));
+      const float p1 = exp2f(fmaf(frag(s, j, 2 * r + 1), sl2, -b));
+      frag(s, j, 2 * r) = p0;
+      frag(s, j, 2 * r + 1) = p1;
+      sum += p0 + p1;
+    }
+    l[r] = l[r] * alpha + sum;
+    rescaled(r, alpha);
   }
 }
 

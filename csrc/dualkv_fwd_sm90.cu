@@ -102,17 +102,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
   }
   cp_async_wait<0>();
 
-  T* og = reinterpret_cast<T*>(a.out) + h * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lsum = quad_sum(l[r]);
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-    const int row = row_a + r * 8;
-    if (row < q1) {
-      store_frag_row<T, D>(og, qs, row, lane, o, r, inv);
-      if ((lane & 3) == 0) a.lse[(long)h * a.T + row] = row_lse(m[r], lsum);
-    }
-  }
+  store_out_lse<T, D>(reinterpret_cast<T*>(a.out) + h * D, qs, a.lse + (long)h * a.T, row_a, q1, lane, o, m, l);
 }
 
 template <typename T, int D, int kBK, int kMinBlocks>

@@ -47,15 +47,16 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
 }
 
 // c[16 x 8] += a[16 x 16] b[16 x 8] (mma.sync m16n8k16, fp32 accumulators); PTX names T in the opcode
-#define MDKV_MMA_M16N8K16(TY)                                                                               \
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
-               "{%8, %9}, {%0, %1, %2, %3};\n"                                                           \
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                             \
+#define MDKV_MMA_M16N8K16(TY)                                                                         \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY                                      \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"               \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
   MDKV_MMA_M16N8K16("bf16");
 }
 template <>
@@ -189,48 +190,20 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(FwdArgs a) {
           if (!tile.allowed(t, row, col)) s[j][e] = -INFINITY;
         }
     }
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      mx = quad_max(mx) * sl2;
-      const float mnew = fmaxf(m[r], mx);
-      const float base = mnew == -INFINITY ? 0.f : mnew;
-      const float alpha = exp2f(m[r] - base);
-      m[r] = mnew;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[j][2 * r] = exp2f(fmaf(s[j][2 * r], sl2, -base));
-        s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], sl2, -base));
-        sum += s[j][2 * r] + s[j][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;
+    softmax_update<kTile>(s, m, l, sl2, [&](int r, float alpha) {
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         o[j][2 * r] *= alpha;
         o[j][2 * r + 1] *= alpha;
       }
-    }
+    });
 
     mma_regs_x_tile<T, D>(o, s, cV);
     __syncthreads();  // everyone is done with stage st before it is refilled
   }
   cp_async_wait<0>();
 
-  T* og = reinterpret_cast<T*>(a.out) + h * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lsum = quad_sum(l[r]);
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-    const int row = row_a + r * 8;
-    if (row < tile.q1) {
-      store_frag_row<T, D>(og, qs, row, lane, o, r, inv);
-      if ((lane & 3) == 0) a.lse[(long)h * a.T + row] = row_lse(m[r], lsum);
-    }
-  }
+  store_out_lse<T, D>(reinterpret_cast<T*>(a.out) + h * D, qs, a.lse + (long)h * a.T, row_a, tile.q1, lane, o, m, l);
 }
 
 // delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] - dlse[h, i]      (one warp per (token, head))

@@ -99,55 +99,5 @@ __device__ __forceinline__ void wgmma_regs_x_tile(float (&d)[D / 2], const uint3
   }
 }
 
-// -inf into the scores S [64 x N] (this thread: rows row_a, row_a + 8) of key tile [k0, k0 + N)
-// where a query row may not see the key: from the parent's end par1 on (is_par), or past the row
-// itself (causal). Skipped for a tile that holds neither (first_row: the smallest query row).
-template <int N>
-__device__ __forceinline__ void mask_scores(float (&s)[N / 2], int k0, bool is_par, int par1, int row_a,
-                                            int first_row, int lane) {
-  const bool msk = is_par ? (k0 + N > par1) : (k0 + N - 1 > first_row);
-  if (msk) {
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
-        const int row = row_a + (e >> 1) * 8;
-        const bool ok = is_par ? (col < par1) : (col <= row);
-        if (!ok) s[4 * j + e] = -INFINITY;
-      }
-  }
-}
-
-// Online softmax step over the scores S [64 x N] (log2 scale sl2): S becomes the unnormalised P in
-// place, the running max m (log2 units) and sum l are updated; then, per row half r,
-// rescaled(r, alpha) with the factor its output rows must be multiplied by.
-template <int N, typename Rescale>
-__device__ __forceinline__ void softmax_update(float (&s)[N / 2], float (&m)[2], float (&l)[2], float sl2,
-                                               Rescale rescaled) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-    mx = quad_max(mx) * sl2;
-    const float mnew = fmaxf(m[r], mx);
-    const float b = mnew == -INFINITY ? 0.f : mnew;
-    const float alpha = exp2f(m[r] - b);
-    m[r] = mnew;
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-      const float p0 = exp2f(fmaf(s[4 * j + 2 * r], sl2, -b));
-      const float p1 = exp2f(fmaf(s[4 * j + 2 * r + 1], sl2, -b));
-      s[4 * j + 2 * r] = p0;
-      s[4 * j + 2 * r + 1] = p1;
-      sum += p0 + p1;
-    }
-    l[r] = l[r] * alpha + sum;
-    rescaled(r, alpha);
-  }
-}
-
 }  // namespace sm90
 }  // namespace mdkv
