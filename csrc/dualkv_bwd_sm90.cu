@@ -152,13 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
     float dq[32];
     if (kAtomicDQ) {
       // dS^T rows (key) x cols (query) into shared memory for dQ = dS K (contracts over all 128 keys)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = wg * 64 + warp * 16 + (lane >> 2) + hh * 8;
-          *reinterpret_cast<uint32_t*>(sdS + poff<kKV>(r, j) + (lane & 3) * 2) = da[j >> 1][(j & 1) * 2 + hh];
-        }
+      store_ds_t<T, kKV>(sdS, wg * 64 + warp * 16, lane, da);
       fence_proxy_async();
       __syncthreads();
     }
@@ -169,14 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
     wgmma_regs_x_tile<T, D, kQT>(dk, da, cQ);
     // warpgroup wg computes dQ[:, 64 wg : 64 wg + 64] (for D = 64 only warpgroup 0 works)
     const bool dq_here = kAtomicDQ && (D == 128 || wg == 0);  // compile-time true for D = 128
-    if (dq_here) {
-#pragma unroll
-      for (int kk = 0; kk < kKV / 16; ++kk) {
-        const uint64_t a_ = desc(sdS + kk * 16 * 64, kKV * 64 * (int)sizeof(T), 1024);
-        const uint64_t b_ = desc(sK + wg * kKV * 64 + kk * 16 * 64, kKV * 64 * (int)sizeof(T), 1024);
-        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
-      }
-    }
+    if (dq_here) wgmma_ds_x_k<T, kKV, kKV / 16>(dq, sdS, sK + wg * kKV * 64);
     wg_commit();
     wg_wait<0>();
     reg_fence(dv);

@@ -99,5 +99,31 @@ __device__ __forceinline__ void wgmma_regs_x_tile(float (&d)[D / 2], const uint3
   }
 }
 
+// dQ [64 x 64] (+)= dS K over NK 16-key steps (issue only): dS^T and K both read transposed from
+// shared memory, K-row panels of K rows (sds: the first key's dS^T column block, sk: the same
+// keys' 64 dQ columns of K)
+template <typename T, int K, int NK>
+__device__ __forceinline__ void wgmma_ds_x_k(float (&dq)[32], const T* sds, const T* sk) {
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const uint64_t a_ = desc(sds + kk * 16 * 64, K * 64 * (int)sizeof(T), 1024);
+    const uint64_t b_ = desc(sk + kk * 16 * 64, K * 64 * (int)sizeof(T), 1024);
+    wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
+  }
+}
+
+// This thread's dS^T fragment (register A layout, 64 query columns) into rows row0 + (lane >> 2)
+// (+ 8) of an [ROWS x 64] shared panel (poff)
+template <typename T, int ROWS>
+__device__ __forceinline__ void store_ds_t(T* sds, int row0, int lane, const uint32_t (&da)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row0 + (lane >> 2) + hh * 8;
+      *reinterpret_cast<uint32_t*>(sds + poff<ROWS>(r, j) + (lane & 3) * 2) = da[j >> 1][(j & 1) * 2 + hh];
+    }
+}
+
 }  // namespace sm90
 }  // namespace mdkv
