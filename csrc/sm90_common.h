@@ -99,15 +99,14 @@ __device__ __forceinline__ void wgmma_regs_x_tile(float (&d)[D / 2], const uint3
   }
 }
 
-// dQ [64 x 64] (+)= dS K over NK 16-key steps (issue only): dS^T and K both read transposed from
-// shared memory, K-row panels of K rows (sds: the first key's dS^T column block, sk: the same
-// keys' 64 dQ columns of K)
+// dQ [64 x 64] (+)= dS K over the 16-key steps kk0 .. kk0 + NK - 1 (issue only): dS^T and K both
+// read transposed from shared memory, panels of K key rows (sk: K's panel of these 64 dQ columns)
 template <typename T, int K, int NK>
-__device__ __forceinline__ void wgmma_ds_x_k(float (&dq)[32], const T* sds, const T* sk) {
+__device__ __forceinline__ void wgmma_ds_x_k(float (&dq)[32], const T* sds, const T* sk, int kk0 = 0) {
 #pragma unroll
   for (int kk = 0; kk < NK; ++kk) {
-    const uint64_t a_ = desc(sds + kk * 16 * 64, K * 64 * (int)sizeof(T), 1024);
-    const uint64_t b_ = desc(sk + kk * 16 * 64, K * 64 * (int)sizeof(T), 1024);
+    const uint64_t a_ = desc(sds + (kk0 + kk) * 16 * 64, K * 64 * (int)sizeof(T), 1024);
+    const uint64_t b_ = desc(sk + (kk0 + kk) * 16 * 64, K * 64 * (int)sizeof(T), 1024);
     wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
   }
 }
