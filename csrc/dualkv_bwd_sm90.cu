@@ -48,22 +48,21 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
   const int group = a.hq / a.hkv;
   const int item = blockIdx.x / a.hkv;
   const int hk = blockIdx.x % a.hkv;
-  const int* w = a.work + item * 8;
-  const int k0 = w[0], k1 = w[1], seg_end = w[2], rlo = w[3], rhi = w[4], per_head = w[5];
-  const int n_own = (seg_end - k0 + kQT - 1) / kQT;
+  const KvItem<kQT> tile(a.work + item * 8, a.ranges);
+  const int k0 = tile.k0, k1 = tile.k1, rlo = tile.rlo, rhi = tile.rhi, per_head = tile.per_head;
   const int n_iter = per_head * group;
 
   // the first child range (a GRPO prompt has exactly one) is kept in registers
   const int r0a = rhi > rlo ? a.ranges[2 * rlo] : 0, r0b = rhi > rlo ? a.ranges[2 * rlo + 1] : 0;
   const int r0n = (r0b - r0a + kQT - 1) / kQT;
   auto query_tile = [&](int i, int& q0, int& qend, bool& causal) {
-    if (i < n_own) {
+    if (i < tile.n_own) {
       q0 = k0 + i * kQT;
-      qend = seg_end;
+      qend = tile.seg_end;
       causal = true;
       return;
     }
-    i -= n_own;
+    i -= tile.n_own;
     if (i < r0n) {
       q0 = r0a + i * kQT;
       qend = r0b;
@@ -207,8 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
   const int item = blockIdx.x / a.hq;
   const int h = blockIdx.x % a.hq;
   const int hk = h / (a.hq / a.hkv);
-  RowItem<kRK> tile;
-  tile.init(a.work + item * 8);
+  const RowItem<kRK> tile(a.work + item * 8);
   const int q0 = tile.q0, q1 = tile.q1;
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;

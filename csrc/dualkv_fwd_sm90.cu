@@ -35,8 +35,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
   const int item = blockIdx.x / a.hq;
   const int h = blockIdx.x % a.hq;
   const int hk = h / (a.hq / a.hkv);
-  RowItem<kBK> tile;
-  tile.init(a.work + item * 8);
+  const RowItem<kBK> tile(a.work + item * 8);
   const int q0 = tile.q0, q1 = tile.q1;
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;

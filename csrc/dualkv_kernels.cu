@@ -139,8 +139,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(FwdArgs a) {
   const int item = blockIdx.x / a.hq;
   const int h = blockIdx.x % a.hq;
   const int hk = h / (a.hq / a.hkv);
-  RowTile tile;
-  tile.init(a.work + item * 8);
+  const RowTile tile(a.work + item * 8);
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;
   const T* qg = reinterpret_cast<const T*>(a.q) + h * D;
@@ -237,8 +236,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(DqArgs a) {
   const int item = blockIdx.x / a.hq;
   const int h = blockIdx.x % a.hq;
   const int hk = h / (a.hq / a.hkv);
-  RowTile tile;
-  tile.init(a.work + item * 8);
+  const RowTile tile(a.work + item * 8);
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;
   const T* qg = reinterpret_cast<const T*>(a.q) + h * D;
@@ -318,31 +316,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(DqArgs a) {
 // merged child ranges in full). Accumulates in registers: deterministic, no atomics.
 // ------------------------------------------------------------------------------------------
 
-struct KvTile {
-  int k0, k1, seg_end, rlo, rhi, per_head, n_own;
-  const int* ranges;
-  __device__ __forceinline__ void init(const int* w, const int* rg) {
-    k0 = w[0];
-    k1 = w[1];
-    seg_end = w[2];
-    rlo = w[3];
-    rhi = w[4];
-    per_head = w[5];
-    n_own = (seg_end - k0 + kTile - 1) / kTile;
-    ranges = rg;
-  }
-  // query tile `i` (0 <= i < per_head) -> rows [q0, q0 + kTile), valid below qend, causal or not
-  __device__ __forceinline__ void query_tile(int i, int& q0, int& qend, bool& causal) const {
-    if (i < n_own) {
-      q0 = k0 + i * kTile;
-      qend = seg_end;
-      causal = true;
-      return;
-    }
-    causal = false;
-    child_query_tile<kTile>(ranges, rlo, rhi, i - n_own, q0, qend);
-  }
-};
+using KvTile = KvItem<kTile>;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
@@ -357,8 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
   const int group = a.hq / a.hkv;
   const int item = blockIdx.x / a.hkv;
   const int hk = blockIdx.x % a.hkv;
-  KvTile tile;
-  tile.init(a.work + item * 8, a.ranges);
+  const KvTile tile(a.work + item * 8, a.ranges);
   const int n_iter = tile.per_head * group;
 
   const long qs = (long)a.hq * D, ks = (long)a.hkv * D;

@@ -11,15 +11,9 @@ namespace mdkv {
 template <int kRows>
 struct RowItem {
   int q0, q1, self0, par0, par1, n_par, n_total;
-  __device__ __forceinline__ void init(const int* w) {
-    q0 = w[0];
-    q1 = w[1];
-    self0 = w[2];
-    par0 = w[3];
-    par1 = w[4];
-    n_par = (par1 - par0 + kRows - 1) / kRows;
-    n_total = n_par + (q1 - self0 + kRows - 1) / kRows;
-  }
+  __device__ __forceinline__ explicit RowItem(const int* w)
+      : q0(w[0]), q1(w[1]), self0(w[2]), par0(w[3]), par1(w[4]), n_par((par1 - par0 + kRows - 1) / kRows),
+        n_total(n_par + (q1 - self0 + kRows - 1) / kRows) {}
   __device__ __forceinline__ int kv_start(int t) const {
     return t < n_par ? par0 + t * kRows : self0 + (t - n_par) * kRows;
   }
@@ -53,5 +47,28 @@ __device__ __forceinline__ void child_query_tile(const int* ranges, int r_begin,
   q0 = 0;  // unreachable for a consistent work list
   qend = 0;
 }
+
+// Kv item (dK/dV): key rows [k0, k1) of a segment that ends at seg_end, and per query head the
+// per_head query tiles of kRows rows that attend them: the segment's own rows from k0 on (n_own
+// tiles, causal), then the child ranges rlo .. rhi - 1 of `ranges` in full.
+template <int kRows>
+struct KvItem {
+  int k0, k1, seg_end, rlo, rhi, per_head, n_own;
+  const int* ranges;
+  __device__ __forceinline__ KvItem(const int* w, const int* rg)
+      : k0(w[0]), k1(w[1]), seg_end(w[2]), rlo(w[3]), rhi(w[4]), per_head(w[5]),
+        n_own((seg_end - k0 + kRows - 1) / kRows), ranges(rg) {}
+  // query tile i (0 <= i < per_head) -> rows [q0, q0 + kRows), valid below qend, causal or not
+  __device__ __forceinline__ void query_tile(int i, int& q0, int& qend, bool& causal) const {
+    if (i < n_own) {
+      q0 = k0 + i * kRows;
+      qend = seg_end;
+      causal = true;
+      return;
+    }
+    causal = false;
+    child_query_tile<kRows>(ranges, rlo, rhi, i - n_own, q0, qend);
+  }
+};
 
 }  // namespace mdkv
