@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -139,6 +140,14 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
     from megatron_dualkv.megatron import build_dualkv_model, cp_token_count, qwen3_config
 
     backend = None if args.backend in ("None", "auto") else args.backend
+    # Megatron's DDP and the model it wraps form reference cycles: after `del` the previous run's
+    # parameters and fp32 gradient buffer (5.9 GiB for 4 8B layers) stay allocated until Python's
+    # cyclic GC happens to run, and counted in this run's peak when it had not (the a2a run of the
+    # second session). Collect them first; start_gib says what is still allocated.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    start_gib = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
     with parallel(cp) as pgs:
         cfg = qwen3_config(
             size or args.size, num_layers=args.layers, vocab_size=args.vocab, params_dtype=dtype,
@@ -196,6 +205,7 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
         out["step_s"] = statistics.median(times[1:]) if iters else times[0]
         out["warmup_s"] = times[0]
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+        out["start_gib"] = start_gib
         out["grads"] = {n: p.main_grad.detach().float().cpu() for n, p in model.named_parameters()}
         out["initial"] = initial
         if cp > 1:
@@ -207,6 +217,7 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
             if comm == "all_gather":
                 out["comm"] = kv_gather_vs_attention(cfg, part.shard(pgs.cp.rank()), pgs.cp, device, dtype, backend)
         del ddp, model
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return out
@@ -300,7 +311,8 @@ def main():
             dist.all_gather_object(per_rank, {
                 "cp1_step_s": one["step_s"], "cp2_all_gather_step_s": two["step_s"], "cp2_a2a_step_s": a2a["step_s"],
                 "cp1_peak_gib": one["peak_gib"], "cp2_all_gather_peak_gib": two["peak_gib"],
-                "cp2_a2a_peak_gib": a2a["peak_gib"], "cp2_all_gather_comm": two["comm"]})
+                "cp2_a2a_peak_gib": a2a["peak_gib"], "cp2_all_gather_comm": two["comm"],
+                "start_gib": {"cp1": one["start_gib"], "cp2_all_gather": two["start_gib"], "cp2_a2a": a2a["start_gib"]}})
             summary["cost_bf16"] = {
                 "shape": args.shape, "tokens": layout.num_tokens, "rows_per_rank_cp2": two["rows_per_rank"],
                 "attention_imbalance_cp2": two["imbalance"], "per_rank": per_rank,
