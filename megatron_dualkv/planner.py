@@ -551,6 +551,10 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
         kv_d = shape.num_query_groups * shape.kv_channels
         per_layer -= 2 * kv_d * (2 if impl.attention_copies_v or work.dualkv else 1) / tp * tokens
         per_layer += 4 * kv_d / tp * mb.tokens
+    if par.cp > 1 and par.cp_comm == "a2a":
+        # the attention's saved output (its heads of every row) and linear_proj's saved input (the
+        # rows after the all-to-all back) are two tensors; with the all-gather they are one
+        per_layer += 2 * shape.num_attention_heads * shape.kv_channels / tp * tokens
     layer_input = (2 * h / (tp if par.sp else 1)) * tokens  # what full recomputation keeps per layer
     # Backward workspace, as fractions of one layer's saved activations (measured on the
     # CPU measurement of tests/test_planner.py: gradients of a layer's activations exist while its
