@@ -107,10 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
   for (int it = 0; it < n_iter; ++it) {
     const int st = it & 1;
     if (it + 1 < n_iter) issue(it + 1, st ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
+    stage_ready();
 
     int q0, qend;
     bool causal;
@@ -221,8 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
 
   load_tile<T, D, kRQ>(sQ, qg, qs, q0, q1);
   load_tile<T, D, kRQ>(sdO, dog, qs, q0, q1);
-  load_tile<T, D, kRK>(sK, kg, ks, tile.kv_start(0), tile.kv_end(0));
-  load_tile<T, D, kRK>(sV, vg, ks, tile.kv_start(0), tile.kv_end(0));
+  load_kv_tile<T, D, kRK>(sK, sV, 0, kg, vg, ks, tile, 0);
   cp_async_commit();
 
   const float sl2 = a.scale_log2;
@@ -235,14 +231,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
 
   for (int t = 0; t < tile.n_total; ++t) {
     const int st = t & 1;
-    if (t + 1 < tile.n_total) {
-      load_tile<T, D, kRK>(sK + (st ^ 1) * kRK * D, kg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-      load_tile<T, D, kRK>(sV + (st ^ 1) * kRK * D, vg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
+    if (t + 1 < tile.n_total) load_kv_tile<T, D, kRK>(sK, sV, st ^ 1, kg, vg, ks, tile, t + 1);
+    stage_ready();
 
     const T* cK = sK + st * kRK * D;
     const T* cV = sV + st * kRK * D;

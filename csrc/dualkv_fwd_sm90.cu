@@ -48,8 +48,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
   const int row_a = q0 + wg * 64 + warp * 16 + (lane >> 2);  // rows row_a and row_a + 8
 
   load_tile<T, D, kBQ>(sQ, qg, qs, q0, q1);
-  load_tile<T, D, kBK>(sK, kg, ks, tile.kv_start(0), tile.kv_end(0));
-  load_tile<T, D, kBK>(sV, vg, ks, tile.kv_start(0), tile.kv_end(0));
+  load_kv_tile<T, D, kBK>(sK, sV, 0, kg, vg, ks, tile, 0);
   cp_async_commit();
 
   float o[D / 2];
@@ -60,14 +59,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fwd_kernel(FwdArgs a) {
 
   for (int t = 0; t < tile.n_total; ++t) {
     const int st = t & 1;
-    if (t + 1 < tile.n_total) {
-      load_tile<T, D, kBK>(sK + (st ^ 1) * kBK * D, kg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-      load_tile<T, D, kBK>(sV + (st ^ 1) * kBK * D, vg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
+    if (t + 1 < tile.n_total) load_kv_tile<T, D, kBK>(sK, sV, st ^ 1, kg, vg, ks, tile, t + 1);
+    stage_ready();
 
     const T* cK = sK + st * kBK * D;
     const T* cV = sV + st * kBK * D;

@@ -47,6 +47,24 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, long stride, int row
   load_rows<T, D, ROWS, kThreads>(s, g, stride, row0, row_end, [](int r, int c) { return poff<ROWS>(r, c); });
 }
 
+// K and V rows of key tile t of a row item (RowItem) into stage `stage` of the two-stage buffers
+// sk, sv (ROWS x D each)
+template <typename T, int D, int ROWS, typename Item>
+__device__ __forceinline__ void load_kv_tile(T* sk, T* sv, int stage, const T* kg, const T* vg, long ks,
+                                             const Item& tile, int t) {
+  load_tile<T, D, ROWS>(sk + stage * ROWS * D, kg, ks, tile.kv_start(t), tile.kv_end(t));
+  load_tile<T, D, ROWS>(sv + stage * ROWS * D, vg, ks, tile.kv_start(t), tile.kv_end(t));
+}
+
+// Two-stage cp.async pipeline: commit the loads just issued (next stage), wait for the current
+// stage's, and make them visible to every thread and to wgmma (async proxy)
+__device__ __forceinline__ void stage_ready() {
+  cp_async_commit();
+  cp_async_wait<1>();
+  fence_proxy_async();
+  __syncthreads();
+}
+
 // wgmma shared-memory descriptor, 128-byte swizzle
 __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   const uint32_t a = smem_addr(p);
