@@ -82,6 +82,22 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, long stride, int row
   load_rows<T, D, kTile, kThreads>(s, g, stride, row0, row_end, [](int r, int c) { return swz<D>(r, c); });
 }
 
+// K and V rows of key tile t of a row item into stage `stage` of the two-stage buffers sk, sv
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(T* sk, T* sv, int stage, const T* kg, const T* vg, long ks,
+                                             const RowItem<kTile>& tile, int t) {
+  load_tile<T, D>(sk + stage * kTile * D, kg, ks, tile.kv_start(t), tile.kv_end(t));
+  load_tile<T, D>(sv + stage * kTile * D, vg, ks, tile.kv_start(t), tile.kv_end(t));
+}
+
+// Two-stage cp.async pipeline: commit the loads just issued (next stage), wait for the current
+// stage's and let every thread see them
+__device__ __forceinline__ void stage_ready() {
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+}
+
 // acc[16 x 64] (8 n-tiles) += A[16 x D] * B^T where A's rows start at a_row of tile sA and B's 64
 // rows are those of tile sB (both [rows][D] swizzled, contraction over D).
 template <typename T, int D>
@@ -150,8 +166,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(FwdArgs a) {
   const int row_a = tile.q0 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
 
   load_tile<T, D>(sQ, qg, qs, tile.q0, tile.q1);
-  load_tile<T, D>(sK, kg, ks, tile.kv_start(0), tile.kv_end(0));
-  load_tile<T, D>(sV, vg, ks, tile.kv_start(0), tile.kv_end(0));
+  load_kv_tile<T, D>(sK, sV, 0, kg, vg, ks, tile, 0);
   cp_async_commit();
 
   float o[D / 8][4];
@@ -162,14 +177,8 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(FwdArgs a) {
 
   for (int t = 0; t < tile.n_total; ++t) {
     const int st = t & 1;
-    if (t + 1 < tile.n_total) {
-      const int ns = st ^ 1;
-      load_tile<T, D>(sK + ns * kTile * D, kg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-      load_tile<T, D>(sV + ns * kTile * D, vg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
+    if (t + 1 < tile.n_total) load_kv_tile<T, D>(sK, sV, st ^ 1, kg, vg, ks, tile, t + 1);
+    stage_ready();
 
     const T* cK = sK + st * kTile * D;
     const T* cV = sV + st * kTile * D;
@@ -249,8 +258,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(DqArgs a) {
 
   load_tile<T, D>(sQ, qg, qs, tile.q0, tile.q1);
   load_tile<T, D>(sdO, dog, qs, tile.q0, tile.q1);
-  load_tile<T, D>(sK, kg, ks, tile.kv_start(0), tile.kv_end(0));
-  load_tile<T, D>(sV, vg, ks, tile.kv_start(0), tile.kv_end(0));
+  load_kv_tile<T, D>(sK, sV, 0, kg, vg, ks, tile, 0);
   cp_async_commit();
 
   const float sl2 = a.scale_log2;
@@ -263,14 +271,8 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(DqArgs a) {
 
   for (int t = 0; t < tile.n_total; ++t) {
     const int st = t & 1;
-    if (t + 1 < tile.n_total) {
-      const int ns = st ^ 1;
-      load_tile<T, D>(sK + ns * kTile * D, kg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-      load_tile<T, D>(sV + ns * kTile * D, vg, ks, tile.kv_start(t + 1), tile.kv_end(t + 1));
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
+    if (t + 1 < tile.n_total) load_kv_tile<T, D>(sK, sV, st ^ 1, kg, vg, ks, tile, t + 1);
+    stage_ready();
 
     const T* cK = sK + st * kTile * D;
     const T* cV = sV + st * kTile * D;
@@ -370,9 +372,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(DkvArgs a) {
   for (int it = 0; it < n_iter; ++it) {
     const int st = it & 1;
     if (it + 1 < n_iter) issue(it + 1, st ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
+    stage_ready();
 
     int q0, qend;
     bool causal;
