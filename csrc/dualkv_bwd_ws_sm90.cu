@@ -1,49 +1,54 @@
-// DualKV backward dK/dV (+ dQ by fp32 atomics) for Hopper (sm_90a), warp-specialized ("ws"):
-// opt-in, bwd_impl="ws", fast mode only (deterministic=True keeps the sm90 kernels).
+// DualKV backward dK/dV + dQ for Hopper (sm_90a), warp-specialized ("ws"): the default backward
+// in fast mode (deterministic=True runs the sm90 kernels).
 //
-// Same math and accumulation as dkdv_kernel<..., kAtomicDQ = true> in dualkv_bwd_sm90.cu (one
-// CTA per 128-row key tile and kv head, walking every query head of the GQA group and every
-// 64-row query tile that attends the keys), restructured like the ws forward.
+// Same math and per-CTA accumulation order of dK/dV as dkdv_kernel<..., kAtomicDQ = true> in
+// dualkv_bwd_sm90.cu (one CTA per 128-row key tile and kv head, walking every query head of the
+// GQA group and every 64-row query tile that attends the keys), restructured like the ws forward.
+// Blocks are kv-head-major (all key tiles of kv head 0, then of kv head 1, ...) so that the CTAs
+// resident at once share one kv head's query tiles and dQ rows in L2.
 // Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, 0, 0, 0]; the query
 // rows that attend keys k0..k1 are the ranges rlo..rhi of a.ranges, 4 int32 each:
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
 // ranges are the key tile's own segment (masked by qrow >= krow), the others its children.
 //   warpgroup 0, producer (setmaxnreg 24): one warp. Lane 0 loads K and V once and, per step,
-//     the Q and dO tiles with TMA into a 3-stage ring; the 32 lanes load the step's 64 lse and
+//     the Q and dO tiles with TMA into a 3-stage ring and writes the step's tile descriptor
+//     (q0, qend, local row, causal) into a ring of 8; the 32 lanes load the step's 64 lse and
 //     delta values with plain loads into shared memory and arrive on the stage's mbarrier
 //     (release semantics order their st.shared before the arrival).
 //   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
-//     Per step: S^T = K Q^T, dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO,
-//     dK += dS^T Q (wgmma, register A), dQ += dS K (wgmma from a shared-memory copy of dS^T),
-//     written to a shared staging tile and added to the fp32 dQ buffer by one TMA reduce-add per
-//     32-column half (kTmaDQ, the default), or (MEGATRON_DUALKV_WS_DQ=atomic) with float2 atomics (see
-//     "dQ by TMA reduce-add" below). No CTA barrier: the consumers wait on
-//     mbarriers; the only consumer rendezvous is the dS^T exchange for dQ (D = 128: each
-//     consumer computes 64 of the 128 dQ columns over all 128 keys, so both halves of dS^T must
-//     be in shared memory: one 256-thread named barrier per step, dS^T double-buffered so the
-//     next step's writes cannot overtake the other consumer's dQ MMA; D = 64: each consumer
-//     computes a partial dQ over its own 64 keys, a 128-thread barrier of its own, twice the
-//     atomics but no divergent branch around a wgmma).
+//     Step i: group A = S^T = K Q^T, dP^T = V dO^T (wgmma); P^T and dS^T in registers; dS^T into
+//     this consumer's half of buffer i & 1; group B = dV += P^T dO, dK += dS^T Q (register A) and
+//     dQ of step i-1 = dS K from buffer (i-1) & 1 (D = 128: this consumer's 64 dQ columns over all
+//     128 keys, both halves; D = 64: a partial dQ over its own 64 keys, its own half); then dQ of
+//     step i-1 is added to the fp32 dQ buffer (below). The dQ of the last step is a group of its
+//     own. dQ lags one step so that a consumer reads the other's dS^T half of a step both finished
+//     long ago: the halves are handed over by mbarriers (ds_full / ds_empty), not by a barrier
+//     that would hold the two consumers in lockstep. Turns (MEGATRON_DUALKV_WS_BWD_TURNS, default
+//     on): the consumers issue their MMA groups alternately (named barriers 8 + cw), so one's
+//     softmax and dQ stores run under the other's MMAs.
 //
 // mbarrier phases (query step i lives in stage i % 3, u = i / 3):
 //   kv_full: 1 arrival + the K/V bytes, parity 0.
 //   q_full[s]: 33 arrivals (lane 0's arrive.expect_tx + the 32 lanes after their lse/delta
 //     stores) + the Q/dO bytes; consumers wait for parity u & 1.
-//   empty[s]: 8 arrivals (lane 0 of each consumer warp) after the step's MMAs completed and its
-//     lse/delta were read; the producer waits for parity (u - 1) & 1 before refilling (i >= 3).
+//   empty[s]: 8 arrivals (lane 0 of each consumer warp) after the step's group B completed (Q, dO,
+//     lse, delta no longer read); the producer waits for parity (u - 1) & 1 before refilling.
+//   ds_full[b][h]: 128 arrivals (every thread of consumer h after its dS^T stores and
+//     fence.proxy.async); the dQ MMA of step i waits for the use (i - 1) >> 1 of buffer (i-1) & 1.
+//   ds_empty[b][h]: one arrival per warp that reads half h (D = 128: 8, D = 64: 4) after its dQ
+//     MMA completed; consumer h waits for the use (i - 2) >> 1 before writing buffer i & 1.
+// csrc/ws_pipeline_model.py replays this protocol under random interleavings.
 //
-// dQ by TMA reduce-add (kTmaDQ): each consumer owns one fp32 staging tile (64 query rows x 64
-// dQ columns, 16 KB, two 32-column halves of 64 rows x 128 B, 128-byte swizzled like the tensor
-// map's box). Per step: every thread stores its dQ fragment (rows >= qend as zeros: the box
-// covers 64 rows), fence.proxy.async, named barrier 4 + cw (128 threads), then the consumer's
-// thread 0 issues two cp.reduce.async.bulk.tensor (add, fp32 from the tensor map) and commits
-// one bulk group. Reuse rule: before the next step's stores, thread 0 waits for that group's
-// smem reads (cp.async.bulk.wait_group.read 0) and then enters the step's dS^T barrier, which
-// every thread of the consumer passes before it stores again; the reads have a whole S/dP
-// MMA + softmax to finish, so the wait is expected to be free. The box starts at the tile's
-// local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA.
-// Before exiting, thread 0 waits for the writes too (wait_group 0).
+// dQ into dq_acc by TMA reduce-add (kTmaDQ, default): each consumer owns one fp32 staging tile (64
+// query rows x 64 dQ columns, 16 KB, two 32-column halves of 64 rows x 128 B, 128-byte swizzled
+// like the tensor map's box). Thread 0 waits until the previous reduce has read the tile
+// (cp.async.bulk.wait_group.read 0), named barrier 6 + cw, every thread stores its fragment (rows
+// >= qend as zeros: the box covers 64 rows), fence.proxy.async, named barrier 4 + cw, then thread
+// 0 issues two cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. The box starts
+// at the tile's local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA. Before
+// exiting, thread 0 waits for the writes too (wait_group 0). MEGATRON_DUALKV_WS_DQ=atomic: float2
+// atomics from registers instead (slower, kept for A/B).
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
