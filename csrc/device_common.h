@@ -1,6 +1,6 @@
-// Device helpers of every DualKV kernel (the mma.sync kernels of dualkv_kernels.cu and the Hopper
-// ones): cp.async, bf16/fp16 packing, quad reductions and the store of accumulator fragments.
-// Nothing here needs more than sm_80.
+// Helpers of every DualKV kernel (the mma.sync kernels of dualkv_kernels.cu and the Hopper ones):
+// cp.async loads, bf16/fp16 packing, quad reductions, score masks and the online softmax over
+// accumulator fragments, fragment stores, and the host launch. Nothing here needs more than sm_80.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -162,9 +162,10 @@ __device__ __forceinline__ void load_row_lse_delta(float (&lse2)[2], float (&dlt
   }
 }
 
-// -inf into the scores S [rows x N] (fragment; this thread: rows row_a, row_a + 8) of key tile [k0, k0 + N)
-// where a query row may not see the key: from the parent's end par1 on (is_par), or past the row
-// itself (causal). Skipped for a tile that holds neither (first_row: the smallest query row).
+// -inf into the scores S [rows x N] (a fragment; this thread's rows: row_a, row_a + 8) of key tile
+// [k0, k0 + N) where a query row may not see the key: from the parent's end par1 on (is_par), or
+// past the row itself (causal). Skipped for a tile that holds neither (first_row: the smallest
+// query row).
 template <int N, typename Acc>
 __device__ __forceinline__ void mask_scores(Acc& s, int k0, bool is_par, int par1, int row_a,
                                             int first_row, int lane) {
@@ -182,9 +183,9 @@ __device__ __forceinline__ void mask_scores(Acc& s, int k0, bool is_par, int par
   }
 }
 
-// Online softmax step over the scores S [rows x N] (fragment) (log2 scale sl2): S becomes the unnormalised P in
-// place, the running max m (log2 units) and sum l are updated; then, per row half r,
-// rescaled(r, alpha) with the factor its output rows must be multiplied by.
+// Online softmax step over the scores S [rows x N] (a fragment; log2 scale sl2): S becomes the
+// unnormalised P in place, the running max m (log2 units) and sum l are updated; then, per row
+// half r, rescaled(r, alpha) with the factor its output rows must be multiplied by.
 template <int N, typename Acc, typename Rescale>
 __device__ __forceinline__ void softmax_update(Acc& s, float (&m)[2], float (&l)[2], float sl2,
                                                Rescale rescaled) {

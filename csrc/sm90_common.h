@@ -1,5 +1,6 @@
 // Shared helpers of the Hopper (sm_90a) kernels: cp.async tile loads into the 128-byte-swizzled
-// panel layout that wgmma reads, wgmma descriptors, fences and the tile-wide wgmma loops.
+// panel layout that wgmma reads and the two-stage pipeline around them, wgmma descriptors and
+// fences, the tile-wide wgmma loops and the packing / staging of their register operands.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -42,6 +43,7 @@ __device__ __forceinline__ int poff(int r, int c) {
   return (c >> 3) * ROWS * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
 }
 
+// rows [row0, row0 + ROWS) of a [T, H, D] head (zeros from row_end on) into a panel tile, all threads
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(T* s, const T* g, long stride, int row0, int row_end) {
   load_rows<T, D, ROWS, kThreads>(s, g, stride, row0, row_end, [](int r, int c) { return poff<ROWS>(r, c); });
