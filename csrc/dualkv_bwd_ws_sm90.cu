@@ -70,15 +70,16 @@
 namespace mdkv {
 namespace sm90ws {
 
-using sm90::desc;
 using sm90::fence_proxy_async;
-using sm90::pack2;
-using sm90::poff;
+using sm90::pack_frags;
 using sm90::reg_fence;
-using sm90::smem_addr;
+using sm90::store_ds_t;
 using sm90::wg_commit;
 using sm90::wg_fence;
 using sm90::wg_wait;
+using sm90::wgmma_ds_x_k;
+using sm90::wgmma_regs_x_tile;
+using sm90::wgmma_rows_x_rows;
 
 constexpr int kKVB = 128;    // key rows per CTA (2 consumers x 64)
 constexpr int kQTB = 64;     // query rows per step
@@ -87,7 +88,6 @@ constexpr int kStagesB = 3;  // Q/dO/lse/delta ring depth
 // kStagesB steps ahead of the slower consumer), so the ring has more slots than the stages
 constexpr int kTdRing = 8;
 constexpr int kThreadsB = 384;
-constexpr float kLog2eB = 1.4426950408889634f;
 
 template <typename T, int D, bool kTmaDQ>
 struct BwdSmem {
@@ -274,21 +274,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // dQ of a step from dS^T buffer pdS: D = 128: dQ[:, 64 cw : 64 cw + 64] over all 128 keys;
   // D = 64: dQ[:, 0:64] over this consumer's 64 keys (the other consumer adds its own partial sum)
   auto issue_dq = [&](float(&dq)[32], const T* pdS) {
-    if (D == 128) {
-#pragma unroll
-      for (int kk = 0; kk < kKVB / 16; ++kk) {
-        const uint64_t a_ = desc(pdS + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        const uint64_t b_ = desc(sK + cw * kKVB * 64 + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
-      }
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint64_t a_ = desc(pdS + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        const uint64_t b_ = desc(sK + (cw * 4 + kk) * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
-      }
-    }
+    if (D == 128)
+      wgmma_ds_x_k<T, kKVB, kKVB / 16>(dq, pdS, sK + cw * kKVB * 64);
+    else
+      wgmma_ds_x_k<T, kKVB, 4>(dq, pdS, sK, cw * 4);
   };
 
   // dQ of step i into dq_acc. The step's descriptor is read again from the ring (kTdRing slots
@@ -358,18 +347,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     float s[32], dp[32];
     turn_take();
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t dk_ = desc(sK + (kk >> 2) * kKVB * 64 + cw * 64 * 64 + (kk & 3) * 16, 16, 1024);
-      const uint64_t dq_ = desc(cQ + (kk >> 2) * kQTB * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<64, T>(s, dk_, dq_, kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t dv_ = desc(sV + (kk >> 2) * kKVB * 64 + cw * 64 * 64 + (kk & 3) * 16, 16, 1024);
-      const uint64_t do_ = desc(cdO + (kk >> 2) * kQTB * 64 + (kk & 3) * 16, 16, 1024);
-      wgmma_ss<64, T>(dp, dv_, do_, kk > 0 ? 1 : 0);
-    }
+    wgmma_rows_x_rows<T, D, kKVB, kQTB>(s, sK, cw * 64, cQ);
+    wgmma_rows_x_rows<T, D, kKVB, kQTB>(dp, sV, cw * 64, cdO);
     wg_commit();
     turn_pass(false);
     wg_wait<0>();
@@ -387,7 +366,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
-        float p = exp2f(fmaf(s[4 * j + e], sl2, -cL[c] * kLog2eB));
+        float p = exp2f(fmaf(s[4 * j + e], sl2, -cL[c] * kLog2e));
         if (msk) {
           const int qrow = q0 + c;
           const int krow = krow_a + (e >> 1) * 8;
@@ -398,24 +377,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       }
 
     uint32_t pa[4][4], da[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        pa[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
-        da[kk][x] = pack2<T>(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
-      }
-    }
+    pack_frags<T, kQTB>(pa, s, da, dp);
     // dS^T rows (keys) x columns (queries) into this consumer's half of buffer b, once the dQ MMAs
     // of step it - 2 (which read that half) have completed
     if (it >= 2) mbar_wait(ds_empty(b, cw), ((it - 2) >> 1) & 1);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = cw * 64 + warp * 16 + (lane >> 2) + hh * 8;
-        *reinterpret_cast<uint32_t*>(cdS + poff<kKVB>(r, j) + (lane & 3) * 2) = da[j >> 1][(j & 1) * 2 + hh];
-      }
+    store_ds_t<T, kKVB>(cdS, cw * 64 + warp * 16, lane, da);
     fence_proxy_async();  // before the wgmma (async proxy) of either consumer reads them
     mbar_arrive(ds_full(b, cw));
 
@@ -428,16 +394,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     reg_fence(dv);
     reg_fence(dk);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t bd = desc(cdO + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(dv, pa[kk], bd, 1);
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t bd = desc(cQ + kk * 16 * 64, kQTB * 64 * (int)sizeof(T), 1024);
-      wgmma_rs_tb<D, T>(dk, da[kk], bd, 1);
-    }
+    wgmma_regs_x_tile<T, D, kQTB>(dv, pa, cdO);
+    wgmma_regs_x_tile<T, D, kQTB>(dk, da, cQ);
     if constexpr (kPrev) issue_dq(dq, sdS + (b ^ 1) * kKVB * kQTB);
     wg_commit();
     turn_pass(false);
@@ -486,14 +444,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = krow_a + r * 8;
-    if (row < k1) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const long off = (long)row * ks + j * 8 + (lane & 3) * 2;
-        *reinterpret_cast<uint32_t*>(dkg + off) = pack2<T>(dk[4 * j + 2 * r] * a.scale, dk[4 * j + 2 * r + 1] * a.scale);
-        *reinterpret_cast<uint32_t*>(dvg + off) = pack2<T>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
-      }
-    }
+    if (row < k1) store_dk_dv_row<T, D>(dkg, dvg, ks, row, lane, dk, dv, r, a.scale);
   }
 }
 

@@ -48,15 +48,13 @@
 namespace mdkv {
 namespace sm90ws {
 
-using sm90::desc;
-using sm90::pack2;
-using sm90::quad_max;
-using sm90::quad_sum;
+using sm90::pack_frags;
 using sm90::reg_fence;
-using sm90::smem_addr;
 using sm90::wg_commit;
 using sm90::wg_fence;
 using sm90::wg_wait;
+using sm90::wgmma_regs_x_tile;
+using sm90::wgmma_rows_x_rows;
 
 constexpr int kBQ = 128;      // query rows per CTA (2 consumer warpgroups x 64)
 constexpr int kBK = 128;      // key rows per tile
@@ -86,66 +84,14 @@ struct Smem {
 // consumer pieces
 // ---------------------------------------------------------------------------------------------
 
-// S[64 x kBK] = Q_w K^T (issue only)
-template <typename T, int D>
-__device__ __forceinline__ void issue_qk(float (&s)[kBK / 2], const T* sQw, const T* cK) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const uint64_t da = desc(sQw + (kk >> 2) * kBQ * 64 + (kk & 3) * 16, 16, 1024);
-    const uint64_t db = desc(cK + (kk >> 2) * kBK * 64 + (kk & 3) * 16, 16, 1024);
-    wgmma_ss<kBK, T>(s, da, db, kk > 0 ? 1 : 0);
-  }
-}
-
-// O[64 x D] += P[64 x kBK] V (issue only), P as the register A operand, V N-major
-template <typename T, int D>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBK / 16][4], const T* cV) {
-#pragma unroll
-  for (int kk = 0; kk < kBK / 16; ++kk) {
-    const uint64_t db = desc(cV + kk * 16 * 64, kBK * 64 * (int)sizeof(T), 1024);
-    wgmma_rs_tb<D, T>(o, pa[kk], db, 1);
-  }
-}
-
 // mask S for key tile [k0, k0 + kBK) (parent tail / causal diagonal), then the online softmax:
 // S becomes P (unnormalised, in place), m and l are updated; returns the factor O must be
 // rescaled by (per row half r)
 __device__ __forceinline__ void softmax_step(float (&s)[kBK / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              int k0, bool is_par, int par1, int row_a, int row_w0, int lane,
                                              float sl2) {
-  const bool msk = is_par ? (k0 + kBK > par1) : (k0 + kBK - 1 > row_w0);
-  if (msk) {
-#pragma unroll
-    for (int j = 0; j < kBK / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
-        const int row = row_a + (e >> 1) * 8;
-        const bool ok = is_par ? (col < par1) : (col <= row);
-        if (!ok) s[4 * j + e] = -INFINITY;
-      }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kBK / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-    mx = quad_max(mx) * sl2;
-    const float mnew = fmaxf(m[r], mx);
-    const float b = mnew == -INFINITY ? 0.f : mnew;
-    alpha[r] = exp2f(m[r] - b);
-    m[r] = mnew;
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kBK / 8; ++j) {
-      const float p0 = exp2f(fmaf(s[4 * j + 2 * r], sl2, -b));
-      const float p1 = exp2f(fmaf(s[4 * j + 2 * r + 1], sl2, -b));
-      s[4 * j + 2 * r] = p0;
-      s[4 * j + 2 * r + 1] = p1;
-      sum += p0 + p1;
-    }
-    l[r] = l[r] * alpha[r] + sum;
-  }
+  mask_scores<kBK>(s, k0, is_par, par1, row_a, row_w0, lane);
+  softmax_update<kBK>(s, m, l, sl2, [&](int r, float f) { alpha[r] = f; });
 }
 
 template <int D>
@@ -156,17 +102,6 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
     o[4 * j + 1] *= alpha[0];
     o[4 * j + 2] *= alpha[1];
     o[4 * j + 3] *= alpha[1];
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void pack_p(uint32_t (&pa)[kBK / 16][4], const float (&s)[kBK / 2]) {
-#pragma unroll
-  for (int kk = 0; kk < kBK / 16; ++kk) {
-    pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-    pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-    pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-    pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
   }
 }
 
@@ -277,7 +212,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   mbar_wait(k_full(0), 0);
   if (kPingPong) named_sync(my_bar, 256);
   wg_fence();
-  issue_qk<T, D>(s, sQw, sK);
+  wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
   wg_commit();
   if (kPingPong && (cw == 0 || n_total > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
   wg_wait<0>();
@@ -296,16 +231,16 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     reg_fence_u(pa);
     if (lane == 0 && t >= 2) mbar_arrive(v_empty(stage(t - 2)));
     rescale<D>(o, alpha);
-    pack_p<T>(pa, s);
+    pack_frags<T, kBK>(pa, s);
     mbar_wait(k_full(st), parity(t));
     mbar_wait(v_full(sp), parity(t - 1));
     if (kPingPong) named_sync(my_bar, 256);
     reg_fence(o);
     reg_fence_u(pa);
     wg_fence();
-    issue_qk<T, D>(s, sQw, sK + st * kBK * D);
+    wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + st * kBK * D);
     wg_commit();
-    issue_pv<T, D>(o, pa, sV + sp * kBK * D);
+    wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sp * kBK * D);
     wg_commit();
     if (kPingPong && (cw == 0 || t + 1 < n_total)) named_arrive(other_bar, 256);
     wg_wait<1>();  // S_t complete, P V still running
@@ -321,13 +256,13 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     reg_fence_u(pa);
     if (lane == 0 && n_total >= 2) mbar_arrive(v_empty(stage(n_total - 2)));
     rescale<D>(o, alpha);
-    pack_p<T>(pa, s);
+    pack_frags<T, kBK>(pa, s);
     const int sl = stage(n_total - 1);
     mbar_wait(v_full(sl), parity(n_total - 1));
     reg_fence(o);
     reg_fence_u(pa);
     wg_fence();
-    issue_pv<T, D>(o, pa, sV + sl * kBK * D);
+    wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sl * kBK * D);
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
@@ -343,13 +278,8 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     const int row = row_a + r * 8;
     if (row < q1) {
       const long lrow = qloc + (row - q0);  // the row's place in out / lse
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint32_t v = pack2<T>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        *reinterpret_cast<uint32_t*>(og + lrow * qs + j * 8 + (lane & 3) * 2) = v;
-      }
-      if ((lane & 3) == 0)
-        a.lse[(long)h * a.Tq + lrow] = lsum > 0.f ? (m[r] + log2f(lsum)) * 0.69314718055994531f : -INFINITY;
+      store_frag_row<T, D>(og, qs, lrow, lane, o, r, inv);
+      if ((lane & 3) == 0) a.lse[(long)h * a.Tq + lrow] = row_lse(m[r], lsum);
     }
   }
 }
