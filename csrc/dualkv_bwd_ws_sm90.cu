@@ -44,8 +44,9 @@
 // query rows x 64 dQ columns, 16 KB, two 32-column halves of 64 rows x 128 B, 128-byte swizzled
 // like the tensor map's box). Thread 0 waits until the previous reduce has read the tile
 // (cp.async.bulk.wait_group.read 0), named barrier 6 + cw, every thread stores its fragment (rows
-// >= qend as zeros: the box covers 64 rows), fence.proxy.async, named barrier 4 + cw, then thread
-// 0 issues two cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. The box starts
+// >= qend as zeros: the box covers 64 rows); after the consumer has issued its next MMA group
+// (so that the stores land meanwhile): fence.proxy.async, named barrier 4 + cw, then thread 0
+// issues two cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. The box starts
 // at the tile's local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA. Before
 // exiting, thread 0 waits for the writes too (wait_group 0). MEGATRON_DUALKV_WS_DQ=atomic: float2
 // atomics from registers instead (slower, kept for A/B).
@@ -304,14 +305,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
               keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
         }
       }
-      fence_proxy_async();      // the generic-proxy stores before the TMA (async proxy) reads them
-      named_sync(4 + cw, 128);  // the whole tile is stored
-      if (dq_issuer) {
-        const int c0 = D == 128 ? cw * 64 : 0;
-        tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, ql);  // local rows ql.. of dq_acc
-        tma_reduce_add(&tm_dq, smem_addr(stg + kQTB * 32), c0 + 32, h, ql);
-        bulk_commit();
-      }
     } else {
       float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
 #pragma unroll
@@ -323,6 +316,24 @@ __global__ void __launch_bounds__(kThreadsB, 1)
           for (int j = 0; j < 8; ++j)
             atomicAdd(reinterpret_cast<float2*>(rp + j * 8), make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]));
         }
+      }
+    }
+  };
+
+  // kTmaDQ: the staged dQ of step i into dq_acc. Deferred until this consumer has issued its next
+  // MMA group: the fence waits for the staging stores to land, which they do meanwhile.
+  auto reduce_dq = [&](int i) {
+    if constexpr (kTmaDQ) {
+      const int4 td = sTd[i % kTdRing];
+      const int h = hk * group + i / per_head;
+      float* stg = sStg + cw * kQTB * 64;
+      fence_proxy_async();      // the generic-proxy stores before the TMA (async proxy) reads them
+      named_sync(4 + cw, 128);  // the whole tile is stored
+      if (dq_issuer) {
+        const int c0 = D == 128 ? cw * 64 : 0;
+        tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, td.z);  // local rows ql.. of dq_acc
+        tma_reduce_add(&tm_dq, smem_addr(stg + kQTB * 32), c0 + 32, h, td.z);
+        bulk_commit();
       }
     }
   };
@@ -351,6 +362,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     wgmma_rows_x_rows<T, D, kKVB, kQTB>(dp, sV, cw * 64, cdO);
     wg_commit();
     turn_pass(false);
+    if (it >= 2) reduce_dq(it - 2);  // staged at the end of the previous step
     wg_wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -424,9 +436,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     issue_dq(dq, sdS + b * kKVB * kQTB);
     wg_commit();
     turn_pass(true);
+    if (it >= 1) reduce_dq(it - 1);
     wg_wait<0>();
     reg_fence(dq);
     store_dq(dq, it);
+    reduce_dq(it);
   };
 
   mbar_wait(kv_full, 0);

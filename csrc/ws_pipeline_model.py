@@ -158,7 +158,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     0 of warp 0, which issues the dQ reduces) and "r" (the other 127 threads); wgmma is
     warp-synchronous only, so each agent issues and waits for its own part of every MMA. tma_dq:
     dQ goes through the consumer's staging tile and a TMA reduce whose smem read and global write
-    complete at random later times. Checked: every MMA reads the stage and dS^T halves of its step,
+    complete at random later times; the stores of step j's dQ end step j + 1, its reduce is issued
+    after the consumer's next MMA group (step j + 2's S/dP, or the last dQ). Checked: every MMA reads the stage and dS^T halves of its step,
     no TMA lands in a stage still read, no dS^T half is rewritten under a dQ MMA, descriptors are
     read before the producer reuses their slot, no store into the staging tile while a reduce
     reads it, each reduce reads one step's tile from both agents, turn barriers balanced, nothing
@@ -216,6 +217,12 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
         assert not stg_reads[w], f"WG{w}{ag} stores dQ of step {j} into the staging tile still read by the reduce of step {stg_reads[w]}"
         stg[w][ag] = j
         yield
+
+    def reduce_dq(w, ag, j):
+        """The staged dQ of step j goes out (fence, barrier 4 + cw, thread 0's reduce); the kernel
+        defers this until the consumer has issued its next MMA group."""
+        if not tma_dq: return
+        assert td[j % ring] == j, f"WG{w}{ag} reduce of step {j} reads descriptor slot holding step {td[j % ring]}"
         if mutation != "no_staging_barrier":
             yield from stg_bar[w].sync()
         if ag == "e":
@@ -245,6 +252,7 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
                 yield from take(w, me)
                 readers[st].add((me, i)); mma.setdefault(me, []).append(("st", st, i, None))
                 give(w, me, False)
+                if i >= 2: yield from reduce_dq(w, ag, i - 2)   # staged at the end of step i - 1
                 yield from mma_wait(me)
                 if i >= 2 and mutation != "no_ds_empty_wait":
                     while not ds_empty[b][w].done(((i - 2) >> 1) & 1): yield
@@ -269,8 +277,10 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
             issue_dq(w, me, j, None, None, None)
             mma[me].append(("ds", None, None, j))
             give(w, me, True)
+            if j >= 1: yield from reduce_dq(w, ag, j - 1)
             yield from mma_wait(me)
             yield from store_dq(w, ag, j)
+            yield from reduce_dq(w, ag, j)
         if tma_dq and ag == "e" and mutation != "no_final_wait":
             while stg_reads[w] or stg_writes[w]: yield   # cp.async.bulk.wait_group 0
         exited.add(me)
