@@ -390,25 +390,26 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
     uint32_t pa[4][4], da[4][4];
     pack_frags<T, kQTB>(pa, s, da, dp);
-    // dS^T rows (keys) x columns (queries) into this consumer's half of buffer b, once the dQ MMAs
-    // of step it - 2 (which read that half) have completed
-    if (it >= 2) mbar_wait(ds_empty(b, cw), ((it - 2) >> 1) & 1);
-    store_ds_t<T, kKVB>(cdS, cw * 64 + warp * 16, lane, da);
-    fence_proxy_async();  // before the wgmma (async proxy) of either consumer reads them
-    mbar_arrive(ds_full(b, cw));
 
+    // Group B: dV and dK first (registers and the stage only), then, while they run, dS^T into
+    // this consumer's half of buffer b (once the dQ MMAs of step it - 2, which read that half, have
+    // completed), then dQ of step it - 1 once both halves of buffer b ^ 1 are there.
     float dq[32];
-    if constexpr (kPrev) {
-#pragma unroll
-      for (int j = 0; j < kReadHalves; ++j) mbar_wait(ds_full(b ^ 1, read_half(j)), ((it - 1) >> 1) & 1);
-    }
     turn_take();
     reg_fence(dv);
     reg_fence(dk);
     wg_fence();
     wgmma_regs_x_tile<T, D, kQTB>(dv, pa, cdO);
     wgmma_regs_x_tile<T, D, kQTB>(dk, da, cQ);
-    if constexpr (kPrev) issue_dq(dq, sdS + (b ^ 1) * kKVB * kQTB);
+    if (it >= 2) mbar_wait(ds_empty(b, cw), ((it - 2) >> 1) & 1);
+    store_ds_t<T, kKVB>(cdS, cw * 64 + warp * 16, lane, da);
+    fence_proxy_async();  // before the wgmma (async proxy) of either consumer reads them
+    mbar_arrive(ds_full(b, cw));
+    if constexpr (kPrev) {
+#pragma unroll
+      for (int j = 0; j < kReadHalves; ++j) mbar_wait(ds_full(b ^ 1, read_half(j)), ((it - 1) >> 1) & 1);
+      issue_dq(dq, sdS + (b ^ 1) * kKVB * kQTB);
+    }
     wg_commit();
     turn_pass(false);
     wg_wait<0>();

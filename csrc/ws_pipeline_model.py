@@ -254,17 +254,19 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
                 give(w, me, False)
                 if i >= 2: yield from reduce_dq(w, ag, i - 2)   # staged at the end of step i - 1
                 yield from mma_wait(me)
+                # group B: dV, dK first, then dS^T stores while they run, then dQ of step i - 1
+                yield from take(w, me)
+                readers[st].add((me, i)); mma[me].append(("st", st, i, None))
                 if i >= 2 and mutation != "no_ds_empty_wait":
                     while not ds_empty[b][w].done(((i - 2) >> 1) & 1): yield
                 assert not ds_readers[b][w], f"WG{w}{ag} step {i} overwrites dS half {w} of buffer {b} under {ds_readers[b][w]}"
                 ds[b][w][ag] = i
                 yield
                 ds_full[b][w].arrive()
-                if i >= 1: yield from wait_ds_full(w, i - 1)
-                yield from take(w, me)
-                readers[st].add((me, i))
-                if i >= 1: issue_dq(w, me, i - 1, None, st, i)
-                mma[me].append(("st+ds", st, i, i - 1 if i >= 1 else None))
+                if i >= 1:
+                    yield from wait_ds_full(w, i - 1)
+                    issue_dq(w, me, i - 1, None, st, i)
+                    mma[me].append(("ds", None, None, i - 1))
                 give(w, me, False)
                 yield from mma_wait(me)
                 em[st].arrive()
