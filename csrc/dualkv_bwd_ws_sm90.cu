@@ -17,9 +17,9 @@
 //     delta values with plain loads into shared memory and arrive on the stage's mbarrier
 //     (release semantics order their st.shared before the arrival).
 //   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
-//     Step i: group A = S^T = K Q^T, dP^T = V dO^T (wgmma); P^T and dS^T in registers; dS^T into
-//     this consumer's half of buffer i & 1; group B = dV += P^T dO, dK += dS^T Q (register A) and
-//     dQ of step i-1 = dS K from buffer (i-1) & 1 (D = 128: this consumer's 64 dQ columns over all
+//     Step i: group A = S^T = K Q^T, dP^T = V dO^T (wgmma); P^T and dS^T in registers; group B =
+//     dV += P^T dO, dK += dS^T Q (register A), issued first, then (while they run) dS^T into this
+//     consumer's half of buffer i & 1, then dQ of step i-1 = dS K from buffer (i-1) & 1 (D = 128: this consumer's 64 dQ columns over all
 //     128 keys, both halves; D = 64: a partial dQ over its own 64 keys, its own half); then dQ of
 //     step i-1 is added to the fp32 dQ buffer (below). The dQ of the last step is a group of its
 //     own. dQ lags one step so that a consumer reads the other's dS^T half of a step both finished
