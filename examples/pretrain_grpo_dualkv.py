@@ -216,6 +216,15 @@ def run_pretrain(argv: list[str]) -> int:
         log.close()
     finally:
         hook.remove()
+    # pretrain() leaves the process groups up (torch warns "destroy_process_group() was not called
+    # before program exit" on the GPU runs); tear them down so that their threads are joined before
+    # the interpreter exits: a CPU CP=2 run of tests/test_training_context_parallel.py once aborted
+    # at exit ("terminate called without an active exception") after finishing its steps.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
