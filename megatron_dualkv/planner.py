@@ -512,7 +512,7 @@ def make_plan(shape: ModelShape, par: Parallel, work: Workload, recompute: str =
     plan.memory, plan.largest = peak_memory(shape, par, work, recompute, impl, mbs)
     _flops_and_time(plan, mbs)
     if par.cp > 1:
-        plan.notes.append("CP > 1: the DualKV model supports it; examples/pretrain_grpo_dualkv.py refuses it for now"
+        plan.notes.append("CP > 1: examples/pretrain_grpo_dualkv.py runs it with --context-parallel-size (DualKV only)"
                           if work.dualkv else "CP > 1 on the stock path needs Transformer Engine's attention")
     return plan
 

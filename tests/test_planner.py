@@ -54,10 +54,11 @@ def megatron_cpu():
 def tiny_model(size: str, pgs, vocab: int = VOCAB, dualkv: bool = True, **overrides):
     from megatron_dualkv.megatron import build_dualkv_model, build_replicated_model, qwen3_config
 
+    split = {k: overrides.pop(k) for k in ("cp_chunks_per_rank", "cp_chunk_multiple") if k in overrides}
     cfg = qwen3_config(size, vocab_size=vocab, use_cpu_initialization=True, params_dtype=torch.bfloat16, **overrides)
     torch.manual_seed(3)
     build = build_dualkv_model if dualkv else build_replicated_model
-    model = build(cfg, pg_collection=pgs, use_transformer_engine=False).to(torch.bfloat16)
+    model = build(cfg, pg_collection=pgs, use_transformer_engine=False, **split).to(torch.bfloat16)
     return cfg, model
 
 
@@ -168,12 +169,12 @@ def flash_style_attention(tracker: LiveBytes):
 
     class FlashStyle(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, segments, scale):
+        def forward(ctx, q, k, v, segments, scale, q_rows):
             with _disable_current_modes(), torch.no_grad():
-                out, lse = reference_attention(q, k, v, segments, scale)
+                out, lse = reference_attention(q, k, v, segments, scale, q_rows=q_rows)
             tracker.track((out, lse))
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.segments, ctx.scale = segments, scale
+            ctx.segments, ctx.scale, ctx.q_rows = segments, scale, q_rows
             return out
 
         @staticmethod
@@ -181,12 +182,12 @@ def flash_style_attention(tracker: LiveBytes):
             q, k, v, _, _ = ctx.saved_tensors
             with _disable_current_modes(), torch.enable_grad():
                 qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-                out, _ = reference_attention(*qkv, ctx.segments, ctx.scale)
+                out, _ = reference_attention(*qkv, ctx.segments, ctx.scale, q_rows=ctx.q_rows)
                 dq, dk, dv = torch.autograd.grad(out, qkv, grad)
             tracker.track((dq, dk, dv))
-            return dq, dk, dv, None, None
+            return dq, dk, dv, None, None, None
 
-    return lambda q, k, v, segments, scale, q_rows=None: FlashStyle.apply(q, k, v, segments, scale)
+    return lambda q, k, v, segments, scale, q_rows=None: FlashStyle.apply(q, k, v, segments, scale, q_rows)
 
 
 def flash_style_stock_attention(tracker: LiveBytes):
@@ -230,7 +231,7 @@ def flash_style_stock_attention(tracker: LiveBytes):
 
 
 def measure_activations(size: str, recompute: str, p: int, n: int, r: int, pgs, monkeypatch, vocab: int = VOCAB,
-                        stock: Optional[str] = None, unfused: bool = False) -> tuple[int, int]:
+                        stock: Optional[str] = None, unfused: bool = False, **model_overrides) -> tuple[int, int]:
     """(bytes saved for backward, live peak of forward + backward) of one group: DualKV, or with
     `stock` the replicated batch through the stock GPTModel ('edges': our replicated_logprobs,
     'all_rows': GPTModel's own loss over every row). unfused: the stock model keeps Megatron's own
@@ -244,7 +245,7 @@ def measure_activations(size: str, recompute: str, p: int, n: int, r: int, pgs, 
              "none": {}}[recompute]
     if unfused:  # as the training script runs it (Megatron's --attention-softmax-in-fp32 is off by default)
         extra["attention_softmax_in_fp32"] = False
-    _, model = tiny_model(size, pgs, vocab, dualkv=stock is None, **extra)
+    _, model = tiny_model(size, pgs, vocab, dualkv=stock is None, **extra, **model_overrides)
     layout = one_group(p, n, r, vocab)
     # gradients go to a preallocated fp32 buffer (as Megatron DDP's main_grad), not to new tensors
     main = {q: torch.zeros(q.shape, dtype=torch.float32) for q in model.parameters()}
@@ -310,6 +311,50 @@ def test_saved_activations_and_peak_match_the_planner(megatron_cpu, monkeypatch,
     h, L, T = 64, 2, (p + n * r) if stock is None else n * (p + r)
     if recompute == "none":
         assert abs(saved / (want_saved - 2 * h * T * L) - 1) > 0.015
+
+
+CP_GROUP = (100, 6, 30)  # 280 tokens: split into 2 ranks x 2 chunks of a multiple of 2 rows, no CP padding
+
+
+def cp_saved_activations_worker(comm: str) -> int:
+    """Bytes one rank of a CP=2 gloo world saves for backward (tiny DualKV model, one group)."""
+    from megatron_cpu import model_parallel
+
+    patch = pytest.MonkeyPatch()
+    try:
+        with model_parallel(cp=2) as pgs:
+            saved, _ = measure_activations("tiny", "none", *CP_GROUP, pgs, patch, VOCAB, context_parallel_size=2,
+                                           cp_comm_type=comm, cp_chunks_per_rank=2, cp_chunk_multiple=2)
+    finally:
+        patch.undo()
+    return saved
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
+def test_cp_saved_activations_match_the_planner(comm):
+    """Context parallelism: the all-gather variant keeps the gathered K and V of every row; the
+    all-to-all variant keeps the attention's output (its heads of every row) and linear_proj's
+    input (the rows after the all-to-all back) as two tensors. The planner predicts the mean over
+    the CP ranks (it splits rows and loss edges evenly; the partition balances attention work, so
+    one rank's edges, hence logits, are a few % above the other's here)."""
+    from megatron_cpu import GlooWorkers
+
+    p, n, r = CP_GROUP
+    with GlooWorkers(2, timeout_s=240) as workers:
+        saved = workers.run(cp_saved_activations_worker, comm, world_size=2)
+    shape = ModelShape.preset("tiny", vocab_size=VOCAB)
+    plan = make_plan(shape, Parallel(cp=2, cp_comm=comm, distributed_optimizer=False),
+                     Workload(n, p, r, groups_per_step=1), "none", CPU_LOCAL)
+    want = plan.memory["activations"] + plan.memory["logits"]
+    got = sum(saved) / len(saved)
+    assert abs(got / want - 1) < 0.015, (comm, saved, want)
+    # not trivially satisfied: the a2a term (one more [local rows, Hq d] bf16 tensor per layer) or,
+    # for the all-gather, the gathered K/V term (4 Hkv d B per row of the whole micro-batch) moved
+    # the prediction by more than the tolerance
+    local, total, hq_d, kv_d = (p + n * r) / 2, p + n * r, shape.num_attention_heads * shape.kv_channels, \
+        shape.num_query_groups * shape.kv_channels
+    term = 2 * hq_d * local if comm == "a2a" else 4 * kv_d * (total - local)
+    assert abs(got / (want - term * shape.num_layers) - 1) > 0.015, (comm, saved, want, term)
 
 
 def test_unfused_stock_attention_matches_megatrons_dot_product_attention(megatron_cpu, monkeypatch):
