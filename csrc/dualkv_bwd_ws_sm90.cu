@@ -281,8 +281,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       wgmma_ds_x_k<T, kKVB, 4>(dq, pdS, sK, cw * 4);
   };
 
-  // dQ of step i into dq_acc. The step's descriptor is read again from the ring (kTdRing slots
-  // outlive the lag) rather than kept in registers across the next step.
+  // dQ of step i: into this consumer's staging tile (kTmaDQ; reduce_dq adds it to dq_acc later) or
+  // straight into dq_acc by atomics. The step's descriptor is read again from the ring (kTdRing
+  // slots outlive the lag) rather than kept in registers across the next step.
   auto store_dq = [&](const float(&dq)[32], int i) {
     const int4 td = sTd[i % kTdRing];
     const int q0 = td.x, qend = td.y, ql = td.z;
