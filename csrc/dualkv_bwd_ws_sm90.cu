@@ -286,8 +286,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // slots outlive the lag) rather than kept in registers across the next step.
   auto store_dq = [&](const float(&dq)[32], int i) {
     const int4 td = sTd[i % kTdRing];
-    const int q0 = td.x, qend = td.y, ql = td.z;
-    const int h = hk * group + i / per_head;
+    const int q0 = td.x, qend = td.y;
     if constexpr (kTmaDQ) {
       // staging reuse: the previous reduce has read the tile before any thread stores into it
       if (dq_issuer) bulk_wait_read0();
@@ -307,6 +306,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         }
       }
     } else {
+      const int ql = td.z, h = hk * group + i / per_head;
       float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {

@@ -234,7 +234,7 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
         for h in halves_of(w):
             while not ds_full[j & 1][h].done((j >> 1) & 1): yield
 
-    def issue_dq(w, me, j, kind_extra, st, i):
+    def issue_dq(w, me, j):
         for h in halves_of(w):
             assert all(ds[j & 1][h].get(a) == j for a in "er"), f"WG{w}{me[1]} dQ of step {j} reads dS half {h} holding {ds[j & 1][h]}"
             ds_readers[j & 1][h].add((me, j))
@@ -265,7 +265,7 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
                 ds_full[b][w].arrive()
                 if i >= 1:
                     yield from wait_ds_full(w, i - 1)
-                    issue_dq(w, me, i - 1, None, st, i)
+                    issue_dq(w, me, i - 1)
                     mma[me].append(("ds", None, None, i - 1))
                 give(w, me, False)
                 yield from mma_wait(me)
@@ -276,7 +276,7 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
             j = n - 1
             yield from wait_ds_full(w, j)
             yield from take(w, me)
-            issue_dq(w, me, j, None, None, None)
+            issue_dq(w, me, j)
             mma[me].append(("ds", None, None, j))
             give(w, me, True)
             if j >= 1: yield from reduce_dq(w, ag, j - 1)

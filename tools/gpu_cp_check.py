@@ -217,7 +217,6 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
             if comm == "all_gather":
                 out["comm"] = kv_gather_vs_attention(cfg, part.shard(pgs.cp.rank()), pgs.cp, device, dtype, backend)
         del ddp, model
-        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return out
