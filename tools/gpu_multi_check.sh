@@ -308,32 +308,7 @@ if [ "$1" = table ]; then table; exit $?; fi
 T0=$(date +%s)
 rm -rf "$LOGS" && mkdir -p "$LOGS" && : > "$LOGS/steps.tsv"  # no result of an earlier run in the table
 
-snapshot() {  # the logs so far, in one file ($OUT brings back at most 8 files)
-  tar czf "$OUT/logs.tar.gz.part" -C "$LOGS" . 2>/dev/null && mv -f "$OUT/logs.tar.gz.part" "$OUT/logs.tar.gz"
-}
-
-step() {  # step NAME MAX_S MIN_S CMD... : skipped when less than MIN_S of the budget is left
-  local name=$1 max=$2 min=$3; shift 3
-  if [ -n "$ONLY" ] && ! [[ $name =~ $ONLY ]]; then LAST_RC=0; return; fi  # not selected: no trace
-  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
-  if (( left < min )); then
-    echo "=== $name skipped: ${left}s of the ${BUDGET_S}s budget left, needs ${min}s"
-    printf '%s\tskipped\t0\t%s\n' "$name" "${left}s of the budget left, needs ${min}s" >> "$LOGS/steps.tsv"
-    LAST_RC=skipped
-    return
-  fi
-  local t=$(( left < max ? left : max )) s=$(date +%s)
-  echo "=== $name (timeout ${t}s)"
-  timeout -k 10 "$t" "$@" > "$LOGS/$name.log" 2>&1
-  local rc=$?
-  LAST_RC=$rc
-  grep -E "^step |rc=|Error|error:|out of memory" "$LOGS/$name.log" | tail -n "${TAIL:-3}" | cut -c1-220
-  local dt=$(( $(date +%s) - s )) note=""
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note="timed out at ${t}s"; fi
-  echo "=== $name rc=$rc ${dt}s"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$note" >> "$LOGS/steps.tsv"
-  snapshot
-}
+source "$(dirname "$0")/gpu_steps.sh"  # step, snapshot
 
 if ls .whl/*.whl > /dev/null 2>&1; then
   timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
