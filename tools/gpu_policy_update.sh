@@ -17,7 +17,7 @@
 # Environment: MODEL, NPROC (8), NGROUPS (rollout groups, all in every step: 4), N (32), P (8192),
 # R_MAX (2048), R_MIN (512), VOCAB (151936), ITERS (3), TOKENS (tokens per micro-batch), BUDGET_S (540), ONLY (bash
 # regex of step names), OUT (/tmp/out), LOGS (/tmp/policy_update_logs), PEAK_TFLOPS (989: H100/H200
-# dense bf16), EXTRA (more flags for every run, after the model preset: they win), DRY_CPU=1 (check the
+# dense bf16), NODUALKV_MAX_S (300: the --no-dualkv step's timeout), EXTRA (more flags for every run, after the model preset: they win), DRY_CPU=1 (check the
 # script's glue on a CPU: gloo through tests/pretrain_on_cpu.py, float32, no distributed optimizer, no
 # GPU check; with EXTRA shrinking the model and small N, P, R).
 #
@@ -132,7 +132,7 @@ train "${M}_reprollouts" 300 120 "DualKV model on --replicate rollouts" "$BASE" 
   "${TOK[@]}" --rollouts "$R_REP" --groups-per-step $(( NGROUPS * N )) --global-batch-size $(( DP * 24 ))
 STOCK_TOKENS=$(( P + R_MAX ))  # a prompt and one longest response
 LAYOUT="${LAYOUT%%, recompute*}, recompute full, $STOCK_TOKENS tok/mb"
-train "${M}_nodualkv" 300 150 "--no-dualkv (stock GPTModel)" "$BASE" -- "${PAR[@]}" "${FULL[@]}" \
+train "${M}_nodualkv" "${NODUALKV_MAX_S:-300}" 150 "--no-dualkv (stock GPTModel)" "$BASE" -- "${PAR[@]}" "${FULL[@]}" \
   --max-tokens-per-micro-batch "$STOCK_TOKENS" --seq-length "$STOCK_TOKENS" --train-iters 2 \
   --rollouts "$R" --groups-per-step "$NGROUPS" --global-batch-size $(( DP * 96 )) --no-dualkv
 
