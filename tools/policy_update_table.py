@@ -26,6 +26,8 @@ MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| al
 BACKEND = re.compile(r"DualKV attention backend: (\S+) on \S+")
 IMPL = re.compile(r"^\s*transformer_impl \.+ (\S+)", re.M)
 ERROR = re.compile(r"(Error|error:|Exception|Killed|out of memory)")
+# the cause, before the launcher's own errors that follow it (NCCL reports an exhausted GPU as a failed calloc)
+CAUSE = re.compile(r"(out of memory|Failed to CUDA calloc|Killed)", re.I)
 
 
 def read_text(path: str) -> str:
@@ -62,8 +64,9 @@ def step_status(steps: dict, logs: str, name: str) -> str:
     if s["rc"] == "skipped":
         return f"skipped ({s['note']})"
     if s["rc"] != "0":
-        errors = [l.strip() for l in read_text(os.path.join(logs, name + ".log")).splitlines()
-                  if ERROR.search(l) and "Warning" not in l]
+        lines = read_text(os.path.join(logs, name + ".log")).splitlines()
+        errors = [l.strip() for l in lines if CAUSE.search(l)] or \
+                 [l.strip() for l in lines if ERROR.search(l) and "Warning" not in l]
         note = f" ({s['note']})" if s["note"] else ""
         return f"FAILED rc={s['rc']} after {s['s']} s{note}" + (f": {errors[-1][:200]}" if errors else "")
     return f"ok, {s['s']} s"
