@@ -43,11 +43,15 @@ export MEGATRON_DUALKV_CUDA_LIB=${MEGATRON_DUALKV_CUDA_LIB:-$PWD/.gpu/final/_C.s
 # ------------------------------------------------------------------------------------------------
 # The summary: stdlib only, reads $LOGS, prints the tables and writes them as markdown.
 # ------------------------------------------------------------------------------------------------
+HERE=$(cd "$(dirname "$0")" && pwd)
 table() {
-python3 - "$LOGS" "$OUT/multi_gpu_table.md" <<'PY'
+python3 - "$LOGS" "$OUT/multi_gpu_table.md" "$HERE" <<'PY'
 import glob, json, os, re, statistics, sys
 
 logs, out_path = sys.argv[1], sys.argv[2]
+sys.path.insert(0, sys.argv[3])
+from policy_update_table import read_steps, read_text, run_result, step_status  # noqa: E402
+
 md = []
 emit = md.append
 
@@ -61,41 +65,14 @@ def load_json(name):
 
 
 def text(name):
-    try:
-        with open(os.path.join(logs, name), errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
+    return read_text(os.path.join(logs, name))
 
 
-def steps():
-    rows = {}
-    for line in text("steps.tsv").splitlines():
-        parts = line.split("\t")
-        if len(parts) >= 3:
-            rows[parts[0]] = {"rc": parts[1], "s": parts[2], "note": parts[3] if len(parts) > 3 else ""}
-    return rows
-
-
-STEPS = steps()
+STEPS = read_steps(logs)
 
 
 def status(name):
-    s = STEPS.get(name)
-    if s is None:
-        return "not run"
-    if s["rc"] == "skipped":
-        return f"skipped ({s['note']})"
-    if s["rc"] != "0":
-        err = last_error(name + ".log")
-        return f"FAILED rc={s['rc']} after {s['s']} s{' (' + s['note'] + ')' if s['note'] else ''}{': ' + err if err else ''}"
-    return f"ok, {s['s']} s"
-
-
-def last_error(log_name):
-    lines = [l.strip() for l in text(log_name).splitlines()
-             if re.search(r"(Error|error:|Exception|Killed|out of memory)", l) and "Warning" not in l]
-    return lines[-1][:240] if lines else ""
+    return step_status(STEPS, logs, name)
 
 
 fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)
@@ -212,10 +189,6 @@ for name in ("cp_model", "cp_model_flex"):
         model_section(name)
 
 # -- 2. training ----------------------------------------------------------------------------------
-MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)")
-BACKEND = re.compile(r"DualKV attention backend: (\S+) on \S+( with local queries)?")
-IMPL = re.compile(r"^\s*transformer_impl \.+ (\S+)", re.M)
-
 RUNS = [
     ("tp2_dualkv", "TP=2+SP, 8B x4 layers", "DualKV"),
     ("tp2_nodualkv", "TP=2+SP, 8B x4 layers", "--no-dualkv (stock GPTModel, replicated batch)"),
@@ -227,28 +200,16 @@ RUNS = [
 
 
 def training_row(name):
-    log = text(name + ".log")
-    recs = []
-    for line in text(name + ".jsonl").splitlines():
-        try:
-            recs.append(json.loads(line))
-        except ValueError:
-            pass
-    mem = {}
-    for m in MEM.finditer(log):
-        mem[int(m.group(1))] = float(m.group(4)) / 1024  # the last report of each rank: max allocated so far
-    b = BACKEND.search(log)
-    impl = IMPL.search(log)
+    r = run_result(logs, name)  # medians after iteration 1, peak per rank, attention backend
     if name.endswith("nodualkv"):
-        attention = f"stock ({impl.group(1) if impl else '?'} spec" + (", unfused DotProductAttention)" if impl and impl.group(1) == "local" else ")")
+        impl = r["impl"]
+        attention = f"stock ({impl or '?'} spec" + (", unfused DotProductAttention)" if impl == "local" else ")")
     else:
-        attention = b.group(1) if b else "?"
-    timed = recs[1:] or recs  # step 1 includes compilation and warm-up
-    med = lambda k: statistics.median(r[k] for r in timed) if timed else None
-    return {"recs": recs, "mem": mem, "attention": attention, "s": med("seconds"), "tok": med("tokens_per_s"),
-            "packed": med("packed_tokens_per_s"), "tflops": med("useful_tflops"),
-            "dedup": recs[-1]["dedup_ratio"] if recs else None,
-            "mbs": recs[-1]["totals"]["micro_batches_per_rank"] if recs else None}
+        attention = r["attention"] or "?"
+    return {"recs": r["recs"], "mem": r["peak"], "attention": attention, "s": r["s"], "tok": r["tok"],
+            "packed": r["packed"], "tflops": r["tflops"],
+            "dedup": r["recs"][-1]["dedup_ratio"] if r["recs"] else None,
+            "mbs": r["totals"]["micro_batches_per_rank"] if r["totals"] else None}
 
 
 emit("## 2. pretrain() on two GPUs (NCCL): DualKV vs the replicated batch, same rollouts")
