@@ -31,6 +31,8 @@
 #     on the live peak (within 15% on the CPU, seen up to +13%; never measured on a GPU). TP2 + full
 #     leaves 11.7 GiB.
 #     To run the top row instead: TP=4 RECOMPUTE=none (MICRO_BATCHES_PER_RANK follows DP).
+#   - On 141 GB H200s: TP=4 RECOMPUTE=none TOKENS_PER_MICRO_BATCH=40960 SUBGROUPS_PER_GROUP=2 (what
+#     tools/gpu_policy_update.sh ran on 8 x H200: 93.5 GiB peak, 92.4 predicted; docs/PERF.md "Eight GPUs").
 #   - Why 30,720 tokens: P + 11 R = 8192 + 11 x 2048. The packer splits each 32-response group into
 #     sub-groups of 11, 11 and 10 responses, each carrying the prompt (3 prompt passes per group).
 #     The previous 12,288-token budget (selective recomputation) held sub-groups of 2 responses
