@@ -266,7 +266,7 @@ def cpu_job(args, pgs) -> int:
 
     from megatron_dualkv.training.args import loss_config_from_args
     from megatron_dualkv.training.log import StepLog
-    from megatron_dualkv.training.providers import (build_policy_model, dualkv_model_options, model_config_from_args,
+    from megatron_dualkv.training.providers import (build_policy_model, model_config_from_args, policy_model_options,
                                                     rollout_stream_from_args)
     from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
     from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, ReferencePolicy
@@ -277,7 +277,7 @@ def cpu_job(args, pgs) -> int:
     cfg.transformer.use_cpu_initialization = True
     dualkv = not args.no_dualkv
     torch.manual_seed(args.seed)
-    options = dualkv_model_options(args) if dualkv else {}
+    options = policy_model_options(args)
     model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False, **options)
     reference = None
     if args.kl_reference == "initial":

@@ -28,7 +28,7 @@ def _write_run(logs, name, records, log_text, path="DualKV", baseline_of=None, r
         f.write(log_text)
     with open(os.path.join(logs, "runs.jsonl"), "a") as f:
         f.write(json.dumps({"name": name, "model": "8b", "layout": "TP4+SP DP2", "path": path,
-                            "baseline_of": baseline_of, "command": f"torchrun ... {name}"}) + "\n")
+                            "baseline_of": baseline_of, "command": f"torchrun ... {name} {path}"}) + "\n")
     with open(os.path.join(logs, "steps.tsv"), "a") as f:
         f.write(f"{name}\t{rc}\t60\t\n")
 
@@ -75,3 +75,12 @@ def test_a_failed_run_names_its_cause_not_the_launcher(logs):
     oom = next(l for l in md.splitlines() if l.startswith("| oom |"))
     assert "FAILED rc=1" in oom and "Failed to CUDA calloc" in oom, oom
     assert "torchrun ... oom" in md  # every run's exact command is in the table
+
+
+def test_the_attention_column_names_the_baselines_core_attention(tmp_path):
+    d = str(tmp_path)
+    impl = "  transformer_impl ................................ local\n"
+    _write_run(d, "unfused", [_record(1, 9.0, 0.1)], impl, path="--no-dualkv")
+    _write_run(d, "sdpa", [_record(1, 5.0, 0.1)], impl, path="--no-dualkv --stock-attention sdpa")
+    rows = {l.split(" | ")[0][2:]: l for l in render(d).splitlines() if " | 8b | " in l}  # the runs table
+    assert "torch SDPA" in rows["sdpa"] and "unfused DotProductAttention" in rows["unfused"], rows

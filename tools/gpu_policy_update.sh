@@ -5,8 +5,10 @@
 #   <m>_reprollouts  the same rollouts written with --replicate (every response its own group with its
 #                    own prompt copy) through the same model and kernel: the replicated batch with the
 #                    fastest attention available here (flash-style, no padding)
-#   <m>_nodualkv     --no-dualkv: Megatron's stock GPTModel on the replicated batch; without Transformer
-#                    Engine that is the local spec's unfused DotProductAttention
+#   <m>_nodualkv_sdpa  --no-dualkv --stock-attention sdpa: Megatron's stock GPTModel on the replicated
+#                    batch (right-padded rows) with torch SDPA as its core attention (flash-style without TE)
+#   <m>_nodualkv     --no-dualkv: the same with the spec's own attention; without Transformer Engine
+#                    that is the local spec's unfused DotProductAttention
 # then the table (tools/policy_update_table.py) printed and written to $OUT/policy_update_table.md.
 #
 # Usage on the device machine, repo root, carrying .whl (megatron-core wheel) and the CUDA extension
@@ -131,7 +133,12 @@ fi
 train "${M}_reprollouts" 300 120 "DualKV model on --replicate rollouts" "$BASE" -- "${PAR[@]}" "${RECOMPUTE[@]}" \
   "${TOK[@]}" --rollouts "$R_REP" --groups-per-step $(( NGROUPS * N )) --global-batch-size $(( DP * 24 ))
 STOCK_TOKENS=$(( P + R_MAX ))  # a prompt and one longest response
-LAYOUT="${LAYOUT%%, recompute*}, recompute full, $STOCK_TOKENS tok/mb"
+BASE_LAYOUT=$LAYOUT
+LAYOUT="${BASE_LAYOUT%%, recompute*}, recompute $( (( ${#RECOMPUTE[@]} )) && echo full || echo none), $STOCK_TOKENS tok/mb"
+train "${M}_nodualkv_sdpa" 240 90 "--no-dualkv --stock-attention sdpa (stock GPTModel)" "$BASE" -- "${PAR[@]}" \
+  "${RECOMPUTE[@]}" --max-tokens-per-micro-batch "$STOCK_TOKENS" --seq-length "$STOCK_TOKENS" \
+  --rollouts "$R" --groups-per-step "$NGROUPS" --global-batch-size $(( DP * 96 )) --no-dualkv --stock-attention sdpa
+LAYOUT="${BASE_LAYOUT%%, recompute*}, recompute full, $STOCK_TOKENS tok/mb"
 train "${M}_nodualkv" "${NODUALKV_MAX_S:-300}" 150 "--no-dualkv (stock GPTModel)" "$BASE" -- "${PAR[@]}" "${FULL[@]}" \
   --max-tokens-per-micro-batch "$STOCK_TOKENS" --seq-length "$STOCK_TOKENS" --train-iters 2 \
   --rollouts "$R" --groups-per-step "$NGROUPS" --global-batch-size $(( DP * 96 )) --no-dualkv

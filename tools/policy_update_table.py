@@ -121,7 +121,9 @@ def render(logs: str) -> str:
         if base is not None and base["s"] and res["s"] and base["mfu"] is not None:
             mfu = base["mfu"] * base["s"] / res["s"]  # the DualKV step's useful FLOPs in this row's time
         attention = res["attention"] or (f"stock ({res['impl']} spec)" if res["impl"] else "?")
-        if res["impl"] == "local" and run.get("baseline_of") and "no-dualkv" in run["path"]:
+        if "--stock-attention sdpa" in run["command"]:
+            attention = "torch SDPA (SdpaDotProductAttention)"
+        elif res["impl"] == "local" and "--no-dualkv" in run["command"]:
             attention = "stock local spec (unfused DotProductAttention)"
         peak = ", ".join(f"r{k}: {v:.1f}" for k, v in sorted(res["peak"].items())) or "-"
         losses = " ".join(f"{x['loss']:.6f}" for x in res["recs"]) or "-"

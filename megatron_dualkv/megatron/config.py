@@ -149,10 +149,13 @@ def build_replicated_model(
     post_process: bool = True,
     use_transformer_engine: Optional[bool] = None,
     vp_stage: Optional[int] = None,
+    stock_attention: str = "megatron",
 ) -> GPTModel:
     """The stock GPTModel for the same config: the replicated baseline. use_transformer_engine
-    is resolved like build_dualkv_model's, so both have the same parameter names."""
-    spec = get_replicated_decoder_block_spec(cfg.transformer, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage)
+    is resolved like build_dualkv_model's, so both have the same parameter names; stock_attention
+    "sdpa" runs torch SDPA instead of the spec's core attention (get_replicated_decoder_block_spec)."""
+    spec = get_replicated_decoder_block_spec(cfg.transformer, use_transformer_engine=use_transformer_engine,
+                                             vp_stage=vp_stage, stock_attention=stock_attention)
     return GPTModel(
         cfg.transformer, spec, pre_process=pre_process, post_process=post_process,
         pg_collection=pg_collection, vp_stage=vp_stage, **cfg.gpt_kwargs(),

@@ -8,7 +8,8 @@ Each layer is exactly Megatron's (local or Transformer Engine) GPT layer, with
 `self_attention.submodules.core_attention = DualKVCoreAttention` and, for MoE layers, the router
 replaced by `DualKVTopKRouter`; nothing else changes, so parameters and state_dict keys are the
 stock model's. qk-layernorm (Qwen3) and RMSNorm come from the config like in Megatron.
-`get_replicated_decoder_block_spec` is the matching stock spec (the baseline for tests).
+`get_replicated_decoder_block_spec` is the matching stock spec (the baseline for tests; its
+`stock_attention="sdpa"` swaps in torch SDPA for a flash-style baseline without TE).
 Local specs (no TE) name `SequenceParallelTorchNorm` where Megatron's name its torch-norm
 fallback, so tensor parallelism with sequence parallelism runs without TE or apex (norms.py);
 without sequence parallelism the norms are the stock ones.
@@ -33,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from .core_attention import DualKVCoreAttention
 from .norms import with_sequence_parallel_norms
 from .router import DualKVTopKRouter
+from .sdpa_attention import SdpaDotProductAttention
 
 
 def transformer_engine_available() -> bool:
@@ -65,12 +67,9 @@ def _with_dualkv_mlp(mlp):
 
 def dualkv_layer_spec_from(layer_spec: ModuleSpec, attention_backend: Optional[str] = None) -> ModuleSpec:
     """A copy of a stock GPT layer spec with the DualKV core attention and router."""
-    sub = layer_spec.submodules
-    attn = sub.self_attention
     core = DualKVCoreAttention if attention_backend is None else functools.partial(DualKVCoreAttention, backend=attention_backend)
-    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core))
-    sub = dataclasses.replace(sub, self_attention=attn, mlp=_with_dualkv_mlp(sub.mlp))
-    return dataclasses.replace(layer_spec, submodules=sub)
+    spec = with_core_attention(layer_spec, core)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=_with_dualkv_mlp(spec.submodules.mlp)))
 
 
 def get_dualkv_layer_spec(
@@ -94,18 +93,39 @@ def get_dualkv_layer_spec(
     return dualkv_layer_spec_from(stock, attention_backend)
 
 
+STOCK_ATTENTIONS = ("megatron", "sdpa")
+
+
+def with_core_attention(layer_spec: ModuleSpec, core_attention) -> ModuleSpec:
+    """A copy of a GPT layer spec whose self-attention uses `core_attention`."""
+    sub = layer_spec.submodules
+    attn = dataclasses.replace(sub.self_attention,
+                               submodules=dataclasses.replace(sub.self_attention.submodules, core_attention=core_attention))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, self_attention=attn))
+
+
 def get_replicated_decoder_block_spec(
     config: TransformerConfig,
     use_transformer_engine: Optional[bool] = None,
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
+    stock_attention: str = "megatron",
 ) -> TransformerBlockSubmodules:
-    """Megatron's stock GPT block spec for `config` (dense or MoE per config.moe_layer_freq)."""
+    """Megatron's stock GPT block spec for `config` (dense or MoE per config.moe_layer_freq).
+    stock_attention: "megatron", the spec's own core attention (TE's fused one with TE, the local
+    unfused DotProductAttention without), or "sdpa", torch's scaled_dot_product_attention
+    (SdpaDotProductAttention: a flash-style baseline without TE)."""
+    if stock_attention not in STOCK_ATTENTIONS:
+        raise ValueError(f"stock_attention must be one of {STOCK_ATTENTIONS}, got {stock_attention!r}")
     te = _resolve_te(use_transformer_engine)
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage, pp_rank=pp_rank,
     )
-    return block if te else with_sequence_parallel_norms(block)
+    block = block if te else with_sequence_parallel_norms(block)
+    if stock_attention == "sdpa":
+        block = dataclasses.replace(block, layer_specs=[with_core_attention(s, SdpaDotProductAttention)
+                                                        for s in block.layer_specs])
+    return block
 
 
 def get_dualkv_decoder_block_spec(

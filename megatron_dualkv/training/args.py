@@ -43,6 +43,9 @@ from ..data.advantages import AdvantageEstimator
 from ..loss import AGGREGATIONS, PolicyLossConfig
 
 MODEL_SIZES = ("tiny", "tiny-moe", "8b", "30b-a3b")
+# --no-dualkv's core attention (megatron_dualkv.megatron.specs.STOCK_ATTENTIONS; not imported here, so
+# that argument handling needs no megatron.core)
+STOCK_ATTENTIONS = ("megatron", "sdpa")
 
 
 def add_dualkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -72,6 +75,10 @@ def add_dualkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "policy when the file has none")
     g.add_argument("--no-dualkv", action="store_true",
                    help="replicated baseline: every [prompt | response] its own row through stock Megatron")
+    g.add_argument("--stock-attention", choices=STOCK_ATTENTIONS, default=STOCK_ATTENTIONS[0],
+                   help="--no-dualkv's core attention: megatron (the spec's own: TE's fused attention with TE, the "
+                        "local unfused DotProductAttention without) or sdpa (torch scaled_dot_product_attention: "
+                        "flash-style without TE)")
     g.add_argument("--model-size", choices=MODEL_SIZES, default=None,
                    help="Qwen3 preset: expands to Megatron's shape flags (flags given after it win)")
     g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak TFLOP/s for MFU")
@@ -136,6 +143,10 @@ def check_parallelism(args) -> None:
     chunk = getattr(args, "logits_chunk_rows", None)
     if chunk is not None and chunk < 1:
         raise ValueError(f"--logits-chunk-rows must be >= 1 (or left out for one pass), got {chunk}")
+    stock = getattr(args, "stock_attention", STOCK_ATTENTIONS[0])
+    if stock != STOCK_ATTENTIONS[0] and not getattr(args, "no_dualkv", False):
+        raise ValueError(f"--stock-attention {stock} chooses the core attention of the --no-dualkv baseline; the DualKV "
+                         f"model runs its own (MEGATRON_DUALKV_ATTENTION_BACKEND picks its backend)")
 
 
 # Megatron's --cp-comm-type values that DualKV implements (megatron_dualkv.cp): K/V all-gather with

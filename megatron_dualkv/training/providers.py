@@ -58,17 +58,28 @@ def model_config_from_args(args, transformer_config=None) -> ModelConfig:
 
 def build_policy_model(cfg: ModelConfig, *, dualkv: bool, pg_collection=None, pre_process: bool = True,
                        post_process: bool = True, vp_stage: Optional[int] = None,
-                       use_transformer_engine: Optional[bool] = None, **dualkv_kw):
-    """DualKVGPTModel, or the stock GPTModel for the replicated baseline (same parameters).
+                       use_transformer_engine: Optional[bool] = None, stock_attention: str = "megatron",
+                       **dualkv_kw):
+    """DualKVGPTModel, or the stock GPTModel for the replicated baseline (same parameters; its core
+    attention per stock_attention, build_replicated_model).
     dualkv_kw: DualKV-only build_dualkv_model options (e.g. cp_chunks_per_rank, cp_chunk_multiple)."""
     kw = dict(pg_collection=pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
               use_transformer_engine=use_transformer_engine)
-    return build_dualkv_model(cfg, **kw, **dualkv_kw) if dualkv else build_replicated_model(cfg, **kw)
+    if dualkv:
+        return build_dualkv_model(cfg, **kw, **dualkv_kw)
+    return build_replicated_model(cfg, **kw, stock_attention=stock_attention)
 
 
 def dualkv_model_options(args) -> dict:
     """build_dualkv_model options from the arguments: how micro-batches split under CP."""
     return dict(cp_chunks_per_rank=getattr(args, "cp_chunks_per_rank", 8), cp_chunk_multiple=cp_chunk_multiple(args))
+
+
+def policy_model_options(args) -> dict:
+    """build_policy_model options from the arguments: DualKV's CP split, or the baseline's core attention."""
+    if args.no_dualkv:
+        return {"stock_attention": getattr(args, "stock_attention", "megatron")}
+    return dualkv_model_options(args)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
@@ -84,7 +95,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     # micro-batch over it; no Transformer Engine needed (its own core attention does the CP).
     model = build_policy_model(cfg, dualkv=not args.no_dualkv, pg_collection=pg_collection,
                                pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                               use_transformer_engine=use_te, **({} if args.no_dualkv else dualkv_model_options(args)))
+                               use_transformer_engine=use_te, **policy_model_options(args))
     if not args.no_dualkv:  # opt-in chunked output layer (--logits-chunk-rows; None: one pass)
         model.logits_chunk_rows = getattr(args, "logits_chunk_rows", None)
     return model

@@ -1,0 +1,71 @@
+"""`--no-dualkv --stock-attention sdpa`: the stock GPTModel with torch SDPA as its core attention
+equals the DualKV model and the stock model with Megatron's unfused attention (single process, CPU;
+right-padded rows of different lengths, GQA, dense and MoE)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
+from test_megatron_model import FP32, VOCAB, _compare
+
+from megatron_dualkv import build_layout
+from megatron_dualkv.megatron import build_dualkv_model, build_replicated_model, copy_weights, qwen3_config
+from megatron_dualkv.megatron.sdpa_attention import SdpaDotProductAttention
+from megatron_dualkv.megatron.specs import STOCK_ATTENTIONS, get_replicated_decoder_block_spec
+
+
+@pytest.fixture(scope="module")
+def pgs():
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
+        yield collection
+
+
+def _models(pgs, size):
+    cfg = qwen3_config(size, use_cpu_initialization=True, params_dtype=torch.float32, vocab_size=VOCAB)
+    torch.manual_seed(11)
+    model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False)
+    unfused = build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False)
+    sdpa = build_replicated_model(cfg, pg_collection=pgs, use_transformer_engine=False, stock_attention="sdpa")
+    copy_weights(model, unfused)
+    copy_weights(model, sdpa)
+    return model, unfused, sdpa
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-moe"])
+def test_sdpa_baseline_equals_dualkv_and_the_unfused_baseline(pgs, three_groups, size):
+    model, unfused, sdpa = _models(pgs, size)
+    cores = [m for m in sdpa.modules() if isinstance(m, SdpaDotProductAttention)]
+    assert len(cores) == model.config.num_layers  # every layer's core attention swapped
+    assert not any(isinstance(m, SdpaDotProductAttention) for m in unfused.modules())
+    assert model.config.num_query_groups < model.config.num_attention_heads  # GQA
+    layout = build_layout(three_groups(4, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
+    # the rows differ in length (P + R_i from 3 to 9): right padding inside the replicated batch
+    _, ref_sdpa = _compare(model, sdpa, layout, **FP32)
+    model.zero_grad()
+    _, ref_unfused = _compare(model, unfused, layout, **FP32)
+    torch.testing.assert_close(ref_sdpa.logprobs, ref_unfused.logprobs, **FP32)
+
+
+def test_sdpa_refuses_what_it_does_not_compute():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cfg = qwen3_config("tiny").transformer
+    with pytest.raises(ValueError, match="causal attention only"):
+        SdpaDotProductAttention(cfg, 1, AttnMaskType.no_mask, "self")
+    with pytest.raises(ValueError, match="stock_attention must be one of"):
+        get_replicated_decoder_block_spec(cfg, use_transformer_engine=False, stock_attention="flash")
+
+
+def test_training_arguments_offer_the_same_choices_and_refuse_sdpa_for_dualkv():
+    from megatron_dualkv.training import args as targs
+
+    assert targs.STOCK_ATTENTIONS == STOCK_ATTENTIONS
+    parser = targs.add_dualkv_args(__import__("argparse").ArgumentParser())
+    ns = parser.parse_args(["--stock-attention", "sdpa"])
+    ns.pipeline_model_parallel_size = ns.context_parallel_size = ns.micro_batch_size = 1
+    with pytest.raises(ValueError, match="--stock-attention sdpa chooses the core attention of the --no-dualkv"):
+        targs.check_parallelism(ns)
+    ns.no_dualkv = True
+    targs.check_parallelism(ns)  # the baseline takes it
