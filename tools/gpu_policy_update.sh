@@ -17,7 +17,7 @@
 #   MODEL=30b-a3b bash tools/gpu_policy_update.sh     # Qwen3-30B-A3B, TP=2 + SP, DP=4, EP=8
 #   bash tools/gpu_policy_update.sh table             # only rebuild the table from $LOGS
 # Environment: MODEL, NPROC (8), NGROUPS (rollout groups, all in every step: 4), N (32), P (8192),
-# R_MAX (2048), R_MIN (512), VOCAB (151936), ITERS (3), TOKENS (tokens per micro-batch), BUDGET_S (540), ONLY (bash
+# R_MAX (2048), R_MIN (512), VOCAB (151936), ROLLOUT_DIR (/tmp: the two rollout files), ITERS (3), TOKENS (tokens per micro-batch), BUDGET_S (540), ONLY (bash
 # regex of step names), OUT (/tmp/out), LOGS (/tmp/policy_update_logs), PEAK_TFLOPS (989: H100/H200
 # dense bf16), NODUALKV_MAX_S (300: the --no-dualkv step's timeout), EXTRA (more flags for every run, after the model preset: they win), DRY_CPU=1 (check the
 # script's glue on a CPU: gloo through tests/pretrain_on_cpu.py, float32, no distributed optimizer, no
@@ -92,7 +92,7 @@ print(json.dumps(env))
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 PY
 
-R=/tmp/pu_rollouts.parquet; R_REP=/tmp/pu_rollouts_replicated.parquet
+ROLLOUT_DIR=${ROLLOUT_DIR:-/tmp}; R=$ROLLOUT_DIR/pu_rollouts.parquet; R_REP=$ROLLOUT_DIR/pu_rollouts_replicated.parquet
 SHAPE=(--groups "$NGROUPS" --responses "$N" --prompt-len "$P" --response-len "$R_MAX" --response-len-min "$R_MIN"
        --vocab-size "${VOCAB:-151936}" --seed 1)
 timeout 120 python3 tools/make_synthetic_rollouts.py --out "$R" "${SHAPE[@]}" | tee -a "$LOGS/rollouts.log"
