@@ -26,6 +26,7 @@ from .logprobs import EdgeLogprobs, vocab_parallel_logprobs
 from .model import DualKVGPTModel, cp_token_count
 from .replicated import ReplicatedBatch, copy_weights, replicated_batch, replicated_logprobs
 from .router import DualKVTopKRouter
+from .sdpa_attention import SdpaDotProductAttention
 from .specs import (
     dualkv_layer_spec_from,
     get_dualkv_decoder_block_spec,
@@ -36,7 +37,7 @@ from .specs import (
 
 __all__ = [
     "DualKVCoreAttention", "DualKVGPTModel", "DualKVPackedSeqParams", "DualKVTopKRouter", "EdgeLogprobs",
-    "ModelConfig", "ReplicatedBatch", "build_dualkv_model", "build_replicated_model", "copy_weights", "cp_token_count",
+    "ModelConfig", "ReplicatedBatch", "SdpaDotProductAttention", "build_dualkv_model", "build_replicated_model", "copy_weights", "cp_token_count",
     "dualkv_layer_spec_from", "dualkv_packed_seq_params", "get_dualkv_decoder_block_spec",
     "get_dualkv_layer_spec", "get_replicated_decoder_block_spec", "megatron_softmax_scale", "qwen3_config",
     "replicated_batch", "replicated_logprobs", "transformer_engine_available", "vocab_parallel_logprobs",
