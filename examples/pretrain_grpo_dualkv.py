@@ -266,8 +266,8 @@ def cpu_job(args, pgs) -> int:
 
     from megatron_dualkv.training.args import loss_config_from_args
     from megatron_dualkv.training.log import StepLog
-    from megatron_dualkv.training.providers import (build_policy_model, model_config_from_args, policy_model_options,
-                                                    rollout_stream_from_args)
+    from megatron_dualkv.training.providers import (build_policy_model, log_stock_attention, model_config_from_args,
+                                                    policy_model_options, rollout_stream_from_args)
     from megatron_dualkv.training.runner import build_ddp_and_optimizer, load_checkpoint, save_checkpoint, train_steps
     from megatron_dualkv.training.step import OldLogprobCache, PolicyForwardStep, ReferencePolicy
     from megatron_dualkv.model_shape import ModelShape
@@ -279,6 +279,8 @@ def cpu_job(args, pgs) -> int:
     torch.manual_seed(args.seed)
     options = policy_model_options(args)
     model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False, **options)
+    if not dualkv:
+        log_stock_attention(model)
     reference = None
     if args.kl_reference == "initial":
         ref_model = build_policy_model(cfg, dualkv=dualkv, pg_collection=pgs, use_transformer_engine=False, **options)

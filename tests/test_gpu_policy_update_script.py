@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 2
@@ -22,6 +23,8 @@ def test_the_device_script_runs_every_path_on_the_same_rollouts(tmp_path):
                R_MIN="8", VOCAB="256", TOKENS="256", ITERS=str(ITERS), BUDGET_S="400", LOGS=str(logs), OUT=str(out),
                ROLLOUT_DIR=str(tmp_path),
                EXTRA=TINY, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               # the script calls python3: this interpreter's (the test environment's torch and megatron)
+               PATH=os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", ""))),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -42,5 +45,8 @@ def test_the_device_script_runs_every_path_on_the_same_rollouts(tmp_path):
     table = (out / "policy_update_table.md").read_text()
     for name in RUNS:
         assert f"| {name} | 30b-a3b | TP2+SP DP2 EP4 ETP1" in table
-    assert "--no-dualkv --stock-attention sdpa" in table and "torch SDPA" in table
+    rows = {l.split(" | ")[0][2:]: l for l in table.splitlines() if " | 30b-a3b | " in l}
+    # the stock models' own log lines: --stock-attention reached the model that ran
+    assert "torch SDPA (SdpaDotProductAttention)" in rows["q30b_nodualkv_sdpa"], rows
+    assert "unfused (DotProductAttention)" in rows["q30b_nodualkv"], rows
     assert "--expert-model-parallel-size 4" in table  # the exact commands are in it

@@ -45,7 +45,7 @@ def logs(tmp_path):
                + MEMORY_LINE.format(r=1, mb=94720.0))
     # the replicated batch runs at the same hardware rate but has 4.5x the work: its own "mfu" counts
     # the replicated FLOPs; the table must count the DualKV run's useful work instead
-    _write_run(d, "rep", [_record(1, 30.0, 0.3), _record(2, 19.0, 0.43), _record(3, 18.8, 0.43)],
+    _write_run(d, "rep", [_record(1, 30.0, 0.3), _record(2, 19.0, 0.43), _record(3, 18.8, 0.43, loss=0.5 + 3e-8)],
                "DualKV attention backend: cuda on cuda:0\n", path="replicated rollouts", baseline_of="dkv")
     _write_run(d, "oom", [], "[rank7]: Failed to CUDA calloc async 24 bytes\n"
                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n",
@@ -67,7 +67,7 @@ def test_baseline_mfu_counts_the_dualkv_work_and_the_ratio_is_time_per_update(lo
     # 0.41 x 4.2 / 18.9 = 9.1 %, not the 43 % its own records claim
     assert "| 9.1% |" in rep_row, rep_row
     assert "rep / dkv: 4.50x the time per policy update (18.90 vs 4.20 s/step)" in md
-    assert "max abs difference 0.00e+00" in md
+    assert "max abs difference 3.00e-08" in md  # the worst iteration's loss difference
 
 
 def test_a_failed_run_names_its_cause_not_the_launcher(logs):
@@ -78,9 +78,13 @@ def test_a_failed_run_names_its_cause_not_the_launcher(logs):
 
 
 def test_the_attention_column_names_the_baselines_core_attention(tmp_path):
+    """From the stock model's own log line (not from the command), and a baseline without its DualKV
+    run has no MFU rather than its own replicated-FLOP one."""
     d = str(tmp_path)
-    impl = "  transformer_impl ................................ local\n"
-    _write_run(d, "unfused", [_record(1, 9.0, 0.1)], impl, path="--no-dualkv")
-    _write_run(d, "sdpa", [_record(1, 5.0, 0.1)], impl, path="--no-dualkv --stock-attention sdpa")
+    _write_run(d, "unfused", [_record(1, 9.0, 0.1)], "stock GPTModel core attention: DotProductAttention\n",
+               path="--no-dualkv", baseline_of="missing")
+    _write_run(d, "sdpa", [_record(1, 5.0, 0.1)], "stock GPTModel core attention: SdpaDotProductAttention\n",
+               path="--no-dualkv", baseline_of="missing")
     rows = {l.split(" | ")[0][2:]: l for l in render(d).splitlines() if " | 8b | " in l}  # the runs table
-    assert "torch SDPA" in rows["sdpa"] and "unfused DotProductAttention" in rows["unfused"], rows
+    assert "torch SDPA" in rows["sdpa"] and "unfused (DotProductAttention)" in rows["unfused"], rows
+    assert "| - |" in rows["sdpa"] and "10.0%" not in rows["sdpa"], rows["sdpa"]

@@ -48,12 +48,46 @@ def test_sdpa_baseline_equals_dualkv_and_the_unfused_baseline(pgs, three_groups,
     torch.testing.assert_close(ref_sdpa.logprobs, ref_unfused.logprobs, **FP32)
 
 
+@pytest.mark.parametrize("layer_scaling", [False, True])
+def test_sdpa_module_equals_dot_product_attention_with_gqa_and_layer_scaling(pgs, layer_scaling):
+    """The module alone against Megatron's DotProductAttention (layer 3: apply_query_key_layer_scaling
+    divides the scale by 3 and its softmax multiplies it back), forward and input gradients."""
+    import dataclasses
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cfg = dataclasses.replace(qwen3_config("tiny").transformer, apply_query_key_layer_scaling=layer_scaling)
+    ours = SdpaDotProductAttention(cfg, 3, AttnMaskType.causal, "self", pg_collection=pgs)
+    ref = DotProductAttention(cfg, 3, AttnMaskType.causal, "self", pg_collection=pgs)
+    g = torch.Generator().manual_seed(5)
+    s, b, d = 9, 2, cfg.kv_channels
+    q = torch.randn(s, b, cfg.num_attention_heads, d, generator=g, requires_grad=True)
+    k = torch.randn(s, b, cfg.num_query_groups, d, generator=g, requires_grad=True)  # GQA
+    v = torch.randn(s, b, cfg.num_query_groups, d, generator=g, requires_grad=True)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    grad = torch.randn(s, b, cfg.num_attention_heads * d, generator=g)
+    outs, grads = [], []
+    for module in (ours, ref):
+        out = module(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
+        (gq, gk, gv) = torch.autograd.grad(out, (q, k, v), grad)
+        outs.append(out)
+        grads.append((gq, gk, gv))
+    torch.testing.assert_close(outs[0], outs[1], **FP32)
+    for a, r in zip(*grads):
+        torch.testing.assert_close(a, r, **FP32)
+
+
 def test_sdpa_refuses_what_it_does_not_compute():
     from megatron.core.transformer.enums import AttnMaskType
 
     cfg = qwen3_config("tiny").transformer
     with pytest.raises(ValueError, match="causal attention only"):
         SdpaDotProductAttention(cfg, 1, AttnMaskType.no_mask, "self")
+    with pytest.raises(ValueError, match="causal attention only"):  # it would ignore the padding mask
+        SdpaDotProductAttention(cfg, 1, AttnMaskType.padding_causal, "self")
+    with pytest.raises(ValueError, match="no attention dropout"):
+        SdpaDotProductAttention(cfg, 1, AttnMaskType.causal, "self", attention_dropout=0.1)
     with pytest.raises(ValueError, match="stock_attention must be one of"):
         get_replicated_decoder_block_spec(cfg, use_transformer_engine=False, stock_attention="flash")
 

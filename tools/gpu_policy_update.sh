@@ -1,6 +1,6 @@
 #!/bin/bash
 # Policy-update runs on one node of GPUs (issue 8): a Qwen3 shape at real size, random init, the same
-# rollouts three ways, each step under `timeout` and one whole-run budget:
+# rollouts four ways, each step under `timeout` and one whole-run budget:
 #   <m>_dualkv       DualKV packing (P + sum R tokens per group), our CUDA kernels
 #   <m>_reprollouts  the same rollouts written with --replicate (every response its own group with its
 #                    own prompt copy) through the same model and kernel: the replicated batch with the

@@ -25,6 +25,7 @@ MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| al
                  r"max allocated: ([\d.]+)")
 BACKEND = re.compile(r"DualKV attention backend: (\S+) on \S+")
 IMPL = re.compile(r"^\s*transformer_impl \.+ (\S+)", re.M)
+STOCK_CORE = re.compile(r"stock GPTModel core attention: (\S+)")  # training/providers.log_stock_attention
 ERROR = re.compile(r"(Error|error:|Exception|Killed|out of memory)")
 # the cause, before the launcher's own errors that follow it (NCCL reports an exhausted GPU as a failed calloc)
 CAUSE = re.compile(r"(out of memory|Failed to CUDA calloc|Killed)", re.I)
@@ -83,11 +84,13 @@ def run_result(logs: str, name: str) -> dict:
     med = (lambda k: statistics.median(r[k] for r in timed)) if timed else (lambda k: None)
     backend = BACKEND.search(log)
     impl = IMPL.search(log)
+    stock = STOCK_CORE.search(log)
     return {"recs": recs, "iterations": len(recs), "timed": len(timed), "s": med("seconds"),
             "tok": med("tokens_per_s"), "packed": med("packed_tokens_per_s"), "tflops": med("useful_tflops"),
             "mfu": med("mfu") if timed and timed[0].get("mfu") is not None else None,
             "totals": recs[-1]["totals"] if recs else None, "peak": peak,
-            "attention": backend.group(1) if backend else None, "impl": impl.group(1) if impl else None}
+            "attention": backend.group(1) if backend else None, "impl": impl.group(1) if impl else None,
+            "stock_core": stock.group(1) if stock else None}
 
 
 def fmt(x, spec=".1f") -> str:
@@ -117,14 +120,18 @@ def render(logs: str) -> str:
     for run in runs:
         res = results[run["name"]]
         mfu = res["mfu"]
-        base = results.get(run.get("baseline_of") or "")
-        if base is not None and base["s"] and res["s"] and base["mfu"] is not None:
-            mfu = base["mfu"] * base["s"] / res["s"]  # the DualKV step's useful FLOPs in this row's time
-        attention = res["attention"] or (f"stock ({res['impl']} spec)" if res["impl"] else "?")
-        if "--stock-attention sdpa" in run["command"]:
-            attention = "torch SDPA (SdpaDotProductAttention)"
-        elif res["impl"] == "local" and "--no-dualkv" in run["command"]:
-            attention = "stock local spec (unfused DotProductAttention)"
+        if run.get("baseline_of"):  # the DualKV step's useful FLOPs in this row's time, or nothing
+            base = results.get(run["baseline_of"])
+            ok = base is not None and base["s"] and res["s"] and base["mfu"] is not None
+            mfu = base["mfu"] * base["s"] / res["s"] if ok else None
+        attention = res["attention"] or "?"
+        if res["stock_core"]:  # the stock model's own line: which core attention it was built with
+            attention = {"SdpaDotProductAttention": "torch SDPA (SdpaDotProductAttention)",
+                         "DotProductAttention": "Megatron local spec, unfused (DotProductAttention)"
+                         }.get(res["stock_core"], res["stock_core"])
+        elif "--no-dualkv" in run["command"]:  # logs from before that line existed: the request, not the fact
+            attention = ("torch SDPA (requested)" if "--stock-attention sdpa" in run["command"]
+                         else f"stock {res['impl'] or '?'} spec (requested)")
         peak = ", ".join(f"r{k}: {v:.1f}" for k, v in sorted(res["peak"].items())) or "-"
         losses = " ".join(f"{x['loss']:.6f}" for x in res["recs"]) or "-"
         mbs = res["totals"]["micro_batches_per_rank"] if res["totals"] else None

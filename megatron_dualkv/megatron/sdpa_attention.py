@@ -27,7 +27,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
 class SdpaDotProductAttention(MegatronModule):
@@ -37,7 +36,7 @@ class SdpaDotProductAttention(MegatronModule):
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
-        if attn_mask_type not in _CAUSAL:
+        if attn_mask_type != AttnMaskType.causal:  # padding_causal would need the mask it ignores
             raise ValueError(f"SdpaDotProductAttention computes causal attention only, got attn_mask_type {attn_mask_type}")
         if config.context_parallel_size != 1:
             raise ValueError("SdpaDotProductAttention has no context parallelism (the DualKV model has its own)")
@@ -45,18 +44,19 @@ class SdpaDotProductAttention(MegatronModule):
             raise ValueError("SdpaDotProductAttention has no sliding window (config.window_size is set)")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"SdpaDotProductAttention computes the vanilla softmax, got {config.softmax_type!r}")
-        head_dim = config.kv_channels
-        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-        if config.apply_query_key_layer_scaling:  # DotProductAttention divides the scale by the layer number
-            self.softmax_scale /= max(1, layer_number)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:  # DotProductAttention forks the TP RNG for it; SDPA's dropout would not
+            raise ValueError(f"SdpaDotProductAttention has no attention dropout (got {dropout}); GRPO runs without it")
+        # apply_query_key_layer_scaling divides the scale by the layer number and the softmax multiplies
+        # it back (DotProductAttention): the product is the plain scale
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None) -> Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SdpaDotProductAttention takes bshd rows without packed_seq_params or attention_bias")
-        if attn_mask_type is not None and attn_mask_type not in _CAUSAL:
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SdpaDotProductAttention computes causal attention only, got {attn_mask_type}")
         sq, b, heads, dim = query.shape
         if key.shape[0] != sq:
@@ -64,6 +64,5 @@ class SdpaDotProductAttention(MegatronModule):
         # [s, b, h, d] -> [b, h, s, d]; GQA: SDPA repeats the kv heads itself (no copy per query head)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             dropout_p=self.dropout_p if self.training else 0.0,
                                              enable_gqa=k.shape[1] != heads)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)

@@ -98,7 +98,18 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                                use_transformer_engine=use_te, **policy_model_options(args))
     if not args.no_dualkv:  # opt-in chunked output layer (--logits-chunk-rows; None: one pass)
         model.logits_chunk_rows = getattr(args, "logits_chunk_rows", None)
+    else:
+        log_stock_attention(model)
     return model
+
+
+def log_stock_attention(model) -> None:
+    """One line (first rank) naming the replicated baseline's core attention, what --stock-attention
+    chose: the DualKV path logs its attention backend itself, the stock model would say nothing."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    core = model.decoder.layers[0].self_attention.core_attention
+    print(f"stock GPTModel core attention: {type(core).__name__}", flush=True)
 
 
 def model_shape_from_args(args, transformer_config=None) -> ModelShape:
