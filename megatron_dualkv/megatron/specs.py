@@ -9,7 +9,8 @@ Each layer is exactly Megatron's (local or Transformer Engine) GPT layer, with
 replaced by `DualKVTopKRouter`; nothing else changes, so parameters and state_dict keys are the
 stock model's. qk-layernorm (Qwen3) and RMSNorm come from the config like in Megatron.
 `get_replicated_decoder_block_spec` is the matching stock spec (the baseline for tests; its
-`stock_attention="sdpa"` swaps in torch SDPA for a flash-style baseline without TE).
+`stock_attention="sdpa"` swaps in torch SDPA for a flash-style baseline without TE). Without TE,
+`config.moe_grouped_gemm` runs the experts as GroupedGemmSequentialMLP (grouped_experts.py).
 Local specs (no TE) name `SequenceParallelTorchNorm` where Megatron's name its torch-norm
 fallback, so tensor parallelism with sequence parallelism runs without TE or apex (norms.py);
 without sequence parallelism the norms are the stock ones.
@@ -26,12 +27,14 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .core_attention import DualKVCoreAttention
+from .grouped_experts import GroupedGemmSequentialMLP
 from .norms import with_sequence_parallel_norms
 from .router import DualKVTopKRouter
 from .sdpa_attention import SdpaDotProductAttention
@@ -53,6 +56,19 @@ def _resolve_te(use_transformer_engine: Optional[bool]) -> bool:
     if use_transformer_engine and not transformer_engine_available():
         raise ValueError("use_transformer_engine=True but Transformer Engine is not importable")
     return bool(use_transformer_engine)
+
+
+def _with_grouped_experts(mlp):
+    """MoE layers of a local spec: SequentialMLP experts -> GroupedGemmSequentialMLP (same parameters,
+    grouped GEMMs; what --moe-grouped-gemm asks for where TE's grouped experts are missing)."""
+    if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer and "submodules" in mlp.keywords):
+        return mlp
+    sub = mlp.keywords["submodules"]
+    experts = sub.experts
+    if isinstance(experts, functools.partial) and experts.func is SequentialMLP:
+        experts = functools.partial(GroupedGemmSequentialMLP, *experts.args, **experts.keywords)
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(sub, experts=experts)})
+    return mlp
 
 
 def _with_dualkv_mlp(mlp):
@@ -122,6 +138,10 @@ def get_replicated_decoder_block_spec(
         config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage, pp_rank=pp_rank,
     )
     block = block if te else with_sequence_parallel_norms(block)
+    if not te and config.moe_grouped_gemm:
+        block = dataclasses.replace(block, layer_specs=[
+            dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, mlp=_with_grouped_experts(s.submodules.mlp)))
+            for s in block.layer_specs])
     if stock_attention == "sdpa":
         block = dataclasses.replace(block, layer_specs=[with_core_attention(s, SdpaDotProductAttention)
                                                         for s in block.layer_specs])

@@ -1,0 +1,103 @@
+"""GroupedGemmSequentialMLP (`--moe-grouped-gemm` without TE) equals Megatron's SequentialMLP: the
+module alone (outputs and every gradient, an expert without tokens, both activation branches) and a
+DualKV MoE model with grouped experts against the replicated batch through the stock model with
+SequentialMLP experts (single process, CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
+from test_megatron_model import FP32, VOCAB, _compare
+
+from megatron_dualkv import build_layout
+from megatron_dualkv.megatron import build_dualkv_model, build_replicated_model, copy_weights, qwen3_config
+from megatron_dualkv.megatron.grouped_experts import GroupedGemmSequentialMLP
+
+
+@pytest.fixture(scope="module")
+def pgs():
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
+        yield collection
+
+
+@pytest.fixture
+def count_grouped_mm(monkeypatch):
+    calls = []
+    real = torch._grouped_mm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    return calls
+
+
+def _experts(pgs, fused: bool):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    cfg = qwen3_config("tiny-moe", use_cpu_initialization=True, params_dtype=torch.float32, vocab_size=VOCAB,
+                       bias_activation_fusion=fused).transformer
+    experts_spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts).keywords["submodules"].experts
+    torch.manual_seed(3)
+    seq = experts_spec(num_local_experts=cfg.num_moe_experts, config=cfg, pg_collection=pgs)
+    grouped = GroupedGemmSequentialMLP(num_local_experts=cfg.num_moe_experts, config=cfg,
+                                       submodules=experts_spec.keywords["submodules"], pg_collection=pgs)
+    grouped.load_state_dict(seq.state_dict())
+    return cfg, seq, grouped
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused-swiglu", "fused-weighted-swiglu"])
+def test_grouped_experts_equal_sequential_mlp(pgs, count_grouped_mm, fused):
+    cfg, seq, grouped = _experts(pgs, fused)
+    counts = torch.tensor([5, 0, 9, 3][: cfg.num_moe_experts])  # expert 1 gets no token
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g)
+    probs = torch.rand(x.shape[0], generator=g)
+    grad = torch.randn(x.shape[0], cfg.hidden_size, generator=g)
+    results = []
+    for module in (seq, grouped):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        out, bias = module(xi, counts, pi)
+        assert bias is None
+        out.backward(grad)
+        results.append((out.detach(), xi.grad, pi.grad, {n: p.grad.clone() for n, p in module.named_parameters()}))
+    assert len(count_grouped_mm) == 2  # fc1 and fc2 through grouped GEMMs, not the fallback
+    (o1, gx1, gp1, gw1), (o2, gx2, gp2, gw2) = results
+    torch.testing.assert_close(o2, o1, **FP32)
+    torch.testing.assert_close(gx2, gx1, **FP32)
+    torch.testing.assert_close(gp2, gp1, **FP32)
+    assert gw1.keys() == gw2.keys()
+    for name in gw1:  # every expert's fc1 and fc2 gradient, the token-less expert's zeros included
+        torch.testing.assert_close(gw2[name], gw1[name], **FP32, msg=lambda m: f"{name}: {m}")
+    assert gw2["local_experts.1.linear_fc1.weight"].abs().max() == 0
+
+
+def test_grouped_experts_fall_back_where_grouped_gemm_does_not_apply(pgs, count_grouped_mm):
+    cfg, seq, grouped = _experts(pgs, False)
+    counts = torch.tensor([2, 1, 0, 3][: cfg.num_moe_experts])
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, dtype=torch.float64)  # no float64 grouped GEMM
+    seq.double(), grouped.double()
+    probs = torch.rand(x.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(grouped(x, counts, probs)[0], seq(x, counts, probs)[0], rtol=0, atol=0)
+    assert count_grouped_mm == []
+    with pytest.raises(ValueError, match="tokens_per_expert has 3 entries"):
+        grouped(x.float(), counts[:3], probs.float())
+
+
+def test_dualkv_moe_with_grouped_experts_equals_the_replicated_batch(pgs, three_groups, count_grouped_mm):
+    """DualKV + grouped experts against the replicated batch through the stock model with Megatron's
+    own SequentialMLP: logprobs, entropy and every gradient (same parameter names)."""
+    kw = dict(use_cpu_initialization=True, params_dtype=torch.float32, vocab_size=VOCAB)
+    torch.manual_seed(7)
+    model = build_dualkv_model(qwen3_config("tiny-moe", moe_grouped_gemm=True, **kw), pg_collection=pgs,
+                               use_transformer_engine=False)
+    base = build_replicated_model(qwen3_config("tiny-moe", **kw), pg_collection=pgs, use_transformer_engine=False)
+    assert any(isinstance(m, GroupedGemmSequentialMLP) for m in model.modules())
+    assert not any(isinstance(m, GroupedGemmSequentialMLP) for m in base.modules())
+    copy_weights(model, base)
+    layout = build_layout(three_groups(6, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
+    _compare(model, base, layout, **FP32)
+    assert len(count_grouped_mm) >= 2 * model.config.num_layers
