@@ -11,7 +11,8 @@ permuted order, `tokens_per_expert` rows each), the MLP's own activation and pro
 weighting in between. Autograd takes the gradients back through the stack to every expert's weight.
 
 Where the grouped path does not apply (expert tensor parallelism, biases, FP8/FP4, a TE activation,
-probabilities applied on the input, float64 or another activation) the SequentialMLP forward runs.
+probabilities applied on the input, another activation; on CUDA anything but bf16 on sm_90+, on the
+CPU float64) the SequentialMLP forward runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ try:  # Megatron's fused weighted SwiGLU (what MLP.forward runs under bias_activ
 except ImportError:  # pragma: no cover - older Megatron
     weighted_bias_swiglu_impl = None
 
-_GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_GROUPED_DTYPES = (torch.bfloat16, torch.float32)  # on the CPU (float64 is not offered)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -64,7 +65,10 @@ class GroupedGemmSequentialMLP(SequentialMLP):
             return "not a SwiGLU expert with probabilities on the output"
         if getattr(cfg, "activation_func_clamp_value", None) is not None or getattr(cfg, "glu_linear_offset", 0.0):
             return "a clamped or offset GLU"
-        if hidden.dtype not in _GROUPED_DTYPES or hidden.device.type not in ("cuda", "cpu"):
+        if hidden.device.type == "cuda":  # torch's CUDA grouped GEMM: bf16 on Hopper and later
+            if hidden.dtype != torch.bfloat16 or torch.cuda.get_device_capability(hidden.device) < (9, 0):
+                return f"{hidden.dtype} on sm_{''.join(map(str, torch.cuda.get_device_capability(hidden.device)))}"
+        elif hidden.device.type != "cpu" or hidden.dtype not in _GROUPED_DTYPES:
             return f"{hidden.dtype} on {hidden.device.type}"
         return None
 
