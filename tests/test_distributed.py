@@ -453,7 +453,10 @@ def per_replica_microbatches(pad_to_multiple: int) -> list:
     return mbs
 
 
-@pytest.mark.parametrize("router", [AUX_LOSS, SEQ_AUX_AND_Z_LOSS], ids=["aux", "seqaux-z"])
+GROUPED_EXPERTS = (("moe_grouped_gemm", True),)  # GroupedGemmSequentialMLP (no TE)
+
+
+@pytest.mark.parametrize("router", [AUX_LOSS, SEQ_AUX_AND_Z_LOSS, GROUPED_EXPERTS], ids=["aux", "seqaux-z", "grouped-gemm"])
 def test_ep2_equals_ep1(workers, router):
     """MoE with the 4 experts split over 2 ranks (alltoall dispatcher); the two ranks are also DP
     replicas for the dense parameters, each with its own micro-batch. Reference: EP=1 on one rank
