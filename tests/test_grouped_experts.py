@@ -83,6 +83,8 @@ def test_grouped_experts_fall_back_where_grouped_gemm_does_not_apply(pgs, count_
     probs = torch.rand(x.shape[0], dtype=torch.float64)
     torch.testing.assert_close(grouped(x, counts, probs)[0], seq(x, counts, probs)[0], rtol=0, atol=0)
     assert count_grouped_mm == []
+    empty = torch.zeros(0, cfg.hidden_size, dtype=torch.float64)  # a rank without tokens
+    assert grouped(empty, torch.zeros_like(counts), torch.zeros(0, dtype=torch.float64))[0].shape == (0, cfg.hidden_size)
     with pytest.raises(ValueError, match="tokens_per_expert has 3 entries"):
         grouped(x.float(), counts[:3], probs.float())
 

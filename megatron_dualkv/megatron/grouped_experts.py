@@ -65,6 +65,8 @@ class GroupedGemmSequentialMLP(SequentialMLP):
             return "not a SwiGLU expert with probabilities on the output"
         if getattr(cfg, "activation_func_clamp_value", None) is not None or getattr(cfg, "glu_linear_offset", 0.0):
             return "a clamped or offset GLU"
+        if hidden.shape[0] == 0:  # an EP rank that received no token this micro-batch
+            return "no tokens"
         if hidden.device.type == "cuda":  # torch's CUDA grouped GEMM: bf16 on Hopper and later
             if hidden.dtype != torch.bfloat16 or torch.cuda.get_device_capability(hidden.device) < (9, 0):
                 return f"{hidden.dtype} on sm_{''.join(map(str, torch.cuda.get_device_capability(hidden.device)))}"
