@@ -67,7 +67,9 @@ def world(size: int, max_connections: str):
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = max_connections
     saved_argv = list(sys.argv)
     try:
-        with _patched(arguments, "get_device_arch_version", lambda: 9):  # Hopper
+        # Hopper: the architecture asked for TP > 1, the capability for --moe-grouped-gemm
+        with _patched(arguments, "get_device_arch_version", lambda: 9), \
+                _patched(arguments.torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)):
             yield
     finally:
         unset_global_variables()  # parse_and_validate_args sets Megatron's global args once per process

@@ -47,6 +47,9 @@
 #   - EP=8 inside the node: 16 experts per layer per GPU; EP=16 would send the all-to-all over
 #     InfiniBand (the best EP=16 layout ranks 5th, 155.1 s, 79.5 s of it communication). Experts
 #     29.0B -> 3.6B per GPU: the dominant static item (Adam sharded over expert-DP 2).
+#   - --moe-grouped-gemm: the experts as grouped GEMMs (the planner's expert rate assumes them):
+#     Transformer Engine's TEGroupedMLP where TE is installed, else this package's
+#     GroupedGemmSequentialMLP (docs/MEGATRON.md). Without it Megatron loops over the local experts.
 #   - Full recomputation is the price of a big micro-batch without CP (the same micro-batch without
 #     recomputation: 115.1 GiB predicted).
 #   - Micro-batches per step: 128 groups x 2 sub-groups / DP 4 = 64 per rank, so
@@ -97,7 +100,7 @@ ARGS=(
   --clip-low 0.2 --clip-high 0.28 --kl-beta 0.0 --loss-aggregation token
   --tensor-model-parallel-size "$TP" --sequence-parallel
   --expert-model-parallel-size "$EP" --expert-tensor-parallel-size 1
-  --moe-token-dispatcher-type alltoall --moe-router-dtype fp32
+  --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 --moe-grouped-gemm
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
   --bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   --micro-batch-size 1 --global-batch-size $(( DP * MICRO_BATCHES_PER_RANK ))
