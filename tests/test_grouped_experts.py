@@ -89,6 +89,42 @@ def test_grouped_experts_fall_back_where_grouped_gemm_does_not_apply(pgs, count_
         grouped(x.float(), counts[:3], probs.float())
 
 
+def test_grouped_experts_run_the_linears_pre_hooks_and_check_the_counts(pgs, count_grouped_mm):
+    """Megatron DDP waits for an overlapped parameter all-gather in each module's forward pre-hook: the
+    grouped path reads the linears' weights without calling them, so it must run those hooks; any
+    other hook (forward, backward) sends it to SequentialMLP's forward."""
+    cfg, seq, grouped = _experts(pgs, False)
+    counts = torch.tensor([2, 1, 0, 3][: cfg.num_moe_experts])
+    x, probs = torch.randn(int(counts.sum()), cfg.hidden_size), torch.rand(int(counts.sum()))
+    seen = []
+    for j, e in enumerate(grouped.local_experts):
+        e.linear_fc1.register_forward_pre_hook(lambda m, args, j=j: seen.append(("fc1", j)))
+        e.linear_fc2.register_forward_pre_hook(lambda m, args, j=j: seen.append(("fc2", j)))
+    grouped(x, counts, probs)
+    assert len(count_grouped_mm) == 2
+    assert sorted(seen) == sorted((f, j) for j in range(cfg.num_moe_experts) for f in ("fc1", "fc2"))
+    grouped.local_experts[0].linear_fc1.register_forward_hook(lambda m, args, out: None)
+    torch.testing.assert_close(grouped(x, counts, probs)[0], seq(x, counts, probs)[0], **FP32)
+    assert len(count_grouped_mm) == 2  # fell back
+    with pytest.raises(ValueError, match="sums to 5, but 6 rows"):
+        _experts(pgs, False)[2](x, counts - torch.tensor([0, 0, 0, 1][: cfg.num_moe_experts]), probs)
+
+
+def test_layer_and_block_specs_choose_grouped_experts_only_when_asked(pgs):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_dualkv.megatron import get_dualkv_layer_spec
+    from megatron_dualkv.megatron.specs import get_replicated_decoder_block_spec
+
+    experts = lambda spec: spec.submodules.mlp.keywords["submodules"].experts.func  # noqa: E731
+    assert experts(get_dualkv_layer_spec(num_experts=4, use_transformer_engine=False)) is SequentialMLP
+    assert experts(get_dualkv_layer_spec(num_experts=4, moe_grouped_gemm=True,
+                                         use_transformer_engine=False)) is GroupedGemmSequentialMLP
+    cfg = qwen3_config("tiny-moe", moe_grouped_gemm=True).transformer
+    block = get_replicated_decoder_block_spec(cfg, use_transformer_engine=False)
+    assert all(experts(s) is GroupedGemmSequentialMLP for s in block.layer_specs)
+
+
 def test_dualkv_moe_with_grouped_experts_equals_the_replicated_batch(pgs, three_groups, count_grouped_mm):
     """DualKV + grouped experts against the replicated batch through the stock model with Megatron's
     own SequentialMLP: logprobs, entropy and every gradient (same parameter names)."""

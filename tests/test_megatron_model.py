@@ -354,7 +354,7 @@ def test_qwen3_configs():
         qwen3_config("tiny", not_a_field=1)
 
 
-def test_specs_swap_only_core_attention_and_router():
+def test_specs_swap_only_core_attention_and_router(pgs):  # pgs: block specs ask the pipeline group
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_dualkv.megatron import DualKVTopKRouter, get_dualkv_decoder_block_spec, get_dualkv_layer_spec

@@ -8,9 +8,13 @@ distributed checkpoint layout (so HF import/export, resume and the DDP buckets a
 only replaces its forward: the local experts' fc1 weights stacked to [E, 2F, H] and fc2 weights
 to [E, H, F], two `torch._grouped_mm` calls over the tokens grouped by expert (the dispatcher's
 permuted order, `tokens_per_expert` rows each), the MLP's own activation and probability
-weighting in between. Autograd takes the gradients back through the stack to every expert's weight.
+weighting in between. Autograd takes the gradients back through the stack to every expert's weight;
+the linears' forward pre-hooks run before their weights are read (Megatron DDP's overlapped
+parameter all-gather waits there). The stacked weights are kept for backward: ~150 MB per layer
+for Qwen3-30B-A3B at EP=8 in bf16 (about one layer's expert weights again).
 
-Where the grouped path does not apply (expert tensor parallelism, biases, FP8/FP4, a TE activation,
+Where the grouped path does not apply (expert tensor parallelism, gradient accumulation fusion, hooks
+other than forward pre-hooks on the linears, biases, FP8/FP4, a TE activation,
 probabilities applied on the input, another activation; on CUDA anything but bf16 on sm_90+, on the
 CPU float64) the SequentialMLP forward runs.
 """
@@ -59,6 +63,10 @@ class GroupedGemmSequentialMLP(SequentialMLP):
             return "torch._grouped_mm is missing"
         if self.tp_group is not None and self.tp_group.size() > 1:
             return "expert tensor parallelism"
+        if cfg.gradient_accumulation_fusion:  # its wgrad bypasses .grad; mixing both in one step would lose one
+            return "gradient accumulation fusion"
+        if any(m._forward_hooks or m._backward_hooks or m._backward_pre_hooks for m in self._expert_linears()):
+            return "forward or backward hooks on the expert linears (e.g. Megatron-FSDP)"
         if cfg.add_bias_linear or cfg.fp8 or getattr(cfg, "fp4", None) or cfg.use_te_activation_func:
             return "biases, FP8/FP4 or a TE activation"
         if cfg.moe_apply_probs_on_input or not cfg.gated_linear_unit or expert.activation_func is not F.silu:
@@ -81,13 +89,26 @@ class GroupedGemmSequentialMLP(SequentialMLP):
         counts = torch.as_tensor(tokens_per_expert, device=hidden.device)
         if counts.numel() != self.num_local_experts:
             raise ValueError(f"tokens_per_expert has {counts.numel()} entries for {self.num_local_experts} local experts")
+        total = int(counts.sum())  # a host sync, as SequentialMLP's split
+        if total != hidden.shape[0]:
+            raise ValueError(f"tokens_per_expert sums to {total}, but {hidden.shape[0]} rows were dispatched")
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of every expert's group
+        # The linears' weights are read without calling the linears: run their forward pre-hooks, which
+        # is where Megatron's DDP waits for an overlapped parameter all-gather (--overlap-param-gather)
+        for linear in self._expert_linears():
+            for hook in linear._forward_pre_hooks.values():
+                hook(linear, (hidden,))
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2F, H]
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
         x = torch._grouped_mm(hidden, fc1.transpose(-2, -1), offs=offsets)   # [T, 2F]
         x = self._weighted_swiglu(_ContiguousGrad.apply(x), permuted_probs)
         out = torch._grouped_mm(x, fc2.transpose(-2, -1), offs=offsets)      # [T, H]
         return _ContiguousGrad.apply(out), None
+
+    def _expert_linears(self):
+        for e in self.local_experts:
+            yield e.linear_fc1
+            yield e.linear_fc2
 
     def _weighted_swiglu(self, x: Tensor, probs: Tensor) -> Tensor:
         """MLP.forward's activation for a SwiGLU expert with per-token probabilities, both of its

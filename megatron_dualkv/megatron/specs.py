@@ -61,14 +61,22 @@ def _resolve_te(use_transformer_engine: Optional[bool]) -> bool:
 def _with_grouped_experts(mlp):
     """MoE layers of a local spec: SequentialMLP experts -> GroupedGemmSequentialMLP (same parameters,
     grouped GEMMs; what --moe-grouped-gemm asks for where TE's grouped experts are missing)."""
+    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+        raise ValueError("moe_grouped_gemm without Transformer Engine: a ModuleSpec MoE layer is not handled")
     if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer and "submodules" in mlp.keywords):
-        return mlp
+        return mlp  # a dense layer
     sub = mlp.keywords["submodules"]
     experts = sub.experts
-    if isinstance(experts, functools.partial) and experts.func is SequentialMLP:
-        experts = functools.partial(GroupedGemmSequentialMLP, *experts.args, **experts.keywords)
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(sub, experts=experts)})
-    return mlp
+    if not (isinstance(experts, functools.partial) and experts.func is SequentialMLP):
+        raise ValueError(f"moe_grouped_gemm without Transformer Engine swaps SequentialMLP experts for grouped ones, "
+                         f"but this MoE spec's experts are {experts!r}")
+    experts = functools.partial(GroupedGemmSequentialMLP, *experts.args, **experts.keywords)
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(sub, experts=experts)})
+
+
+def _with_grouped_layer(layer_spec: ModuleSpec) -> ModuleSpec:
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, mlp=_with_grouped_experts(layer_spec.submodules.mlp)))
 
 
 def _with_dualkv_mlp(mlp):
@@ -106,6 +114,8 @@ def get_dualkv_layer_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
             normalization=normalization,
         ))
+        if num_experts and moe_grouped_gemm:
+            stock = _with_grouped_layer(stock)
     return dualkv_layer_spec_from(stock, attention_backend)
 
 
@@ -139,9 +149,7 @@ def get_replicated_decoder_block_spec(
     )
     block = block if te else with_sequence_parallel_norms(block)
     if not te and config.moe_grouped_gemm:
-        block = dataclasses.replace(block, layer_specs=[
-            dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, mlp=_with_grouped_experts(s.submodules.mlp)))
-            for s in block.layer_specs])
+        block = dataclasses.replace(block, layer_specs=[_with_grouped_layer(s) for s in block.layer_specs])
     if stock_attention == "sdpa":
         block = dataclasses.replace(block, layer_specs=[with_core_attention(s, SdpaDotProductAttention)
                                                         for s in block.layer_specs])

@@ -46,7 +46,7 @@ def _run(fn, inputs, params, grad):
     return [out.detach()] + list(grads)
 
 
-def compare_experts(device: str, dtype: torch.dtype, tokens: int = 4096, experts: int = 16) -> dict:
+def compare_experts(device: str, dtype: torch.dtype, tokens: int = 4096, experts: int = 16, fused: bool = True) -> dict:
     """Qwen3-30B-A3B expert sizes (hidden 2048, expert FFN 768, SwiGLU), `experts` local experts,
     `tokens` routed rows with uneven counts (one expert empty): relative errors of out, d(input),
     d(probs) and the expert weights, new and Megatron bf16 against Megatron float32."""
@@ -57,7 +57,7 @@ def compare_experts(device: str, dtype: torch.dtype, tokens: int = 4096, experts
 
     with megatron_world() as pgs:
         cfg = qwen3_config("30b-a3b", num_layers=1, use_cpu_initialization=True, params_dtype=torch.float32,
-                           num_moe_experts=experts, moe_router_topk=2).transformer
+                           num_moe_experts=experts, moe_router_topk=2, bias_activation_fusion=fused).transformer
         spec = get_moe_module_spec(use_te=False, num_experts=experts).keywords["submodules"].experts
         torch.manual_seed(0)
         truth = spec(num_local_experts=experts, config=cfg, pg_collection=pgs).to(device)
@@ -77,7 +77,8 @@ def compare_experts(device: str, dtype: torch.dtype, tokens: int = 4096, experts
         real = torch._grouped_mm
         torch._grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
         try:
-            run = lambda m, dt: _run(lambda h, p: m(h, counts, p), [x.to(dt), probs.to(dt)],  # noqa: E731
+            # probabilities stay float32 (--moe-router-dtype fp32), the hidden rows are in dtype
+            run = lambda m, dt: _run(lambda h, p: m(h, counts, p), [x.to(dt), probs],  # noqa: E731
                                      list(m.parameters()), grad)
             want, got_seq, got = run(truth, torch.float32), run(seq, dtype), run(grouped, dtype)
         finally:
@@ -112,8 +113,9 @@ def compare_attention(device: str, dtype: torch.dtype, s: int = 2048, b: int = 2
 
 
 @gpu
-def test_grouped_experts_on_the_gpu_are_as_accurate_as_sequential_mlp():
-    res = compare_experts("cuda", torch.bfloat16)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-weighted-swiglu", "unfused-swiglu"])
+def test_grouped_experts_on_the_gpu_are_as_accurate_as_sequential_mlp(fused):
+    res = compare_experts("cuda", torch.bfloat16, fused=fused)
     assert res["grouped_calls"] == 2, "the grouped path did not run on the GPU (it fell back)"
     for name, (new, megatron) in res["errors"].items():
         assert new <= SLACK * megatron + 1e-6, f"{name}: grouped {new:.2e} vs SequentialMLP {megatron:.2e}"
