@@ -149,6 +149,10 @@ class Implementation:
       fp32 LSE, no scores) or 'unfused' (Megatron's local-spec DotProductAttention, what `--no-dualkv`
       runs without Transformer Engine: [rows, heads, S, S] bf16 scores and probabilities, K and V
       repeated to every query head).
+    experts: 'sequential' (Megatron's SequentialMLP or TE's grouped experts: the expert weights are
+      saved as themselves) or 'stacked' (GroupedGemmSequentialMLP, --moe-grouped-gemm without TE: each
+      MoE layer also keeps its local experts' weights stacked for backward, 2 B per local expert
+      parameter, whatever the token count; without expert TP, where that module runs).
     """
 
     norm: str = "fused"
@@ -159,12 +163,14 @@ class Implementation:
     stock_logits: str = "all_rows"
     logits_chunk_rows: Optional[int] = None
     stock_attention: str = "flash"
+    experts: str = "sequential"
 
     def __post_init__(self):
         if self.logits_chunk_rows is not None and self.logits_chunk_rows < 1:
             raise ValueError(f"logits_chunk_rows must be >= 1, got {self.logits_chunk_rows}")
         for f, ok in (("norm", ("fused", "composite")), ("rope", ("unfused", "fused")), ("swiglu", ("fused", "unfused")),
-                      ("stock_logits", ("all_rows", "edges")), ("stock_attention", ("flash", "unfused"))):
+                      ("stock_logits", ("all_rows", "edges")), ("stock_attention", ("flash", "unfused")),
+                      ("experts", ("sequential", "stacked"))):
             if getattr(self, f) not in ok:
                 raise ValueError(f"Implementation.{f} must be one of {ok}, got {getattr(self, f)!r}")
 
@@ -519,6 +525,14 @@ def make_plan(shape: ModelShape, par: Parallel, work: Workload, recompute: str =
 
 # -- memory ----------------------------------------------------------------------------------
 
+def stacked_expert_bytes(shape: ModelShape, par: Parallel, impl: Implementation) -> float:
+    """Implementation.experts == 'stacked': one MoE layer's local expert weights (fc1 [2F, H] and fc2
+    [H, F] each, bf16) stacked and kept for backward by GroupedGemmSequentialMLP."""
+    if impl.experts != "stacked" or not shape.is_moe or par.etp > 1 or not shape.gated_linear_unit:
+        return 0.0
+    return 2 * (shape.num_moe_experts / par.ep) * 3 * shape.hidden_size * shape.moe_ffn_hidden_size
+
+
 def static_bytes(shape: ModelShape, par: Parallel) -> dict:
     """Weights (bf16), main gradients (fp32) and Adam state (fp32 master, m, v) per GPU."""
     c = shape.param_counts()
@@ -592,6 +606,11 @@ def _memory(shape: ModelShape, par: Parallel, work: Workload, recompute: str, im
     if shape.is_moe:
         # permuted tokens before and after the all-to-all exist at once during dispatch
         workspace += 2 * shape.moe_router_topk * 2 * h * par.etp * tokens / tp
+    stack = stacked_expert_bytes(shape, par, impl)  # per MoE layer, saved like an activation
+    if recompute == "full":
+        workspace += stack  # only the rebuilt layer's
+    else:
+        stored_layers += shape.num_layers * stack
 
     # embedding ids, final norm, output layer input, logits
     final_norm = terms["input_norm"] / (tp if par.sp else 1) * tokens

@@ -139,3 +139,36 @@ def test_dualkv_moe_with_grouped_experts_equals_the_replicated_batch(pgs, three_
     layout = build_layout(three_groups(6, VOCAB), vocab_size=VOCAB, pad_to_multiple=8)
     _compare(model, base, layout, **FP32)
     assert len(count_grouped_mm) >= 2 * model.config.num_layers
+
+
+@pytest.mark.parametrize("fused,rel", [(True, 0.01), (False, 0.03)], ids=["fused-weighted-swiglu", "unfused-swiglu"])
+def test_the_planner_counts_the_stacked_expert_weights(pgs, fused, rel):
+    """The grouped module's saved tensors (parameters excluded) exceed SequentialMLP's by its stacked
+    weights: planner.stacked_expert_bytes (Implementation(experts='stacked')), bf16."""
+    from megatron_dualkv.model_shape import ModelShape
+    from megatron_dualkv.planner import Implementation, Parallel, stacked_expert_bytes
+
+    cfg, seq, grouped = _experts(pgs, fused)
+    seq.bfloat16(), grouped.bfloat16()
+    counts = torch.tensor([5, 0, 9, 3][: cfg.num_moe_experts])
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(x.shape[0], requires_grad=True)
+
+    def saved_bytes(module):
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        storages = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x, counts, probs)
+        return sum(storages.values())
+
+    extra = saved_bytes(grouped) - saved_bytes(seq)
+    shape = ModelShape.of(cfg, VOCAB)
+    predicted = stacked_expert_bytes(shape, Parallel(), Implementation(experts="stacked"))
+    assert predicted > 0 and stacked_expert_bytes(shape, Parallel(), Implementation()) == 0
+    assert abs(extra - predicted) <= rel * predicted, (extra, predicted)

@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     i.add_argument("--stock-attention", choices=("flash", "unfused"), default="flash",
                    help="stock core attention: TE/cuDNN flash, or Megatron's local unfused DotProductAttention "
                         "(what --no-dualkv runs without Transformer Engine)")
+    i.add_argument("--expert-impl", choices=("sequential", "stacked"), default="sequential",
+                   help="MoE experts: sequential (SequentialMLP, or TE's grouped experts) or stacked "
+                        "(--moe-grouped-gemm without TE: each MoE layer keeps its stacked expert weights)")
     i.add_argument("--logits-chunk-rows", type=int, default=None,
                    help="the model's opt-in --logits-chunk-rows: logits computed and recomputed in chunks of rows")
     h = ap.add_argument_group("hardware and assumed rates (defaults: docs/PLANNER.md)")
@@ -181,7 +184,7 @@ def print_single(args, shape, hw) -> None:
 def implementation_from(args) -> Implementation:
     return Implementation(norm=args.norm, rope=args.rope, swiglu=args.swiglu, with_entropy=args.with_entropy,
                           stock_logits=args.stock_logits, logits_chunk_rows=args.logits_chunk_rows,
-                          stock_attention=args.stock_attention)
+                          stock_attention=args.stock_attention, experts=args.expert_impl)
 
 
 def packed_rollouts(args, shape, par):

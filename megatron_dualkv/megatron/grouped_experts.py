@@ -11,7 +11,7 @@ permuted order, `tokens_per_expert` rows each), the MLP's own activation and pro
 weighting in between. Autograd takes the gradients back through the stack to every expert's weight;
 the linears' forward pre-hooks run before their weights are read (Megatron DDP's overlapped
 parameter all-gather waits there). The stacked weights are kept for backward: ~150 MB per layer
-for Qwen3-30B-A3B at EP=8 in bf16 (about one layer's expert weights again).
+for Qwen3-30B-A3B at EP=8 in bf16 (one layer's expert weights again; planner.stacked_expert_bytes).
 
 Where the grouped path does not apply (expert tensor parallelism, gradient accumulation fusion, hooks
 other than forward pre-hooks on the linears, biases, FP8/FP4, a TE activation,
