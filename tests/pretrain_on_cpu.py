@@ -53,6 +53,8 @@ def cuda_for_pretrain():
         import megatron.training.arguments as arguments
 
         stack.enter_context(_patched(arguments, "get_device_arch_version", lambda: 9))
+        # and its compute capability for --moe-grouped-gemm
+        stack.enter_context(_patched(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)))
         stack.enter_context(megatron_cpu_shims())
         stack.enter_context(cuda_rng_state_on_cpu())
         yield
