@@ -28,7 +28,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-
 class SdpaDotProductAttention(MegatronModule):
     """DotProductAttention's contract, computed by F.scaled_dot_product_attention (causal, GQA)."""
 

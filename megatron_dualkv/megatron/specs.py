@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .core_attention import DualKVCoreAttention
 from .grouped_experts import GroupedGemmSequentialMLP
-from .norms import with_sequence_parallel_norms
+from .norms import map_spec, with_sequence_parallel_norms
 from .router import DualKVTopKRouter
 from .sdpa_attention import SdpaDotProductAttention
 
@@ -58,25 +58,22 @@ def _resolve_te(use_transformer_engine: Optional[bool]) -> bool:
     return bool(use_transformer_engine)
 
 
-def _with_grouped_experts(mlp):
-    """MoE layers of a local spec: SequentialMLP experts -> GroupedGemmSequentialMLP (same parameters,
-    grouped GEMMs; what --moe-grouped-gemm asks for where TE's grouped experts are missing)."""
-    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
-        raise ValueError("moe_grouped_gemm without Transformer Engine: a ModuleSpec MoE layer is not handled")
-    if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer and "submodules" in mlp.keywords):
-        return mlp  # a dense layer
-    sub = mlp.keywords["submodules"]
-    experts = sub.experts
-    if not (isinstance(experts, functools.partial) and experts.func is SequentialMLP):
-        raise ValueError(f"moe_grouped_gemm without Transformer Engine swaps SequentialMLP experts for grouped ones, "
-                         f"but this MoE spec's experts are {experts!r}")
-    experts = functools.partial(GroupedGemmSequentialMLP, *experts.args, **experts.keywords)
-    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(sub, experts=experts)})
+def with_grouped_experts(layer_spec):
+    """A copy of a local GPT layer spec whose SequentialMLP experts are GroupedGemmSequentialMLP (same
+    parameters, grouped GEMMs: what --moe-grouped-gemm asks for where TE's grouped experts are
+    missing); dense layers come back unchanged, an MoE layer without SequentialMLP experts is an error."""
+    seen = {MoELayer: False, SequentialMLP: False}
 
+    def swap(x):  # every leaf of the spec: module classes and plain values
+        for cls in seen:
+            seen[cls] |= x is cls
+        return GroupedGemmSequentialMLP if x is SequentialMLP else x
 
-def _with_grouped_layer(layer_spec: ModuleSpec) -> ModuleSpec:
-    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
-        layer_spec.submodules, mlp=_with_grouped_experts(layer_spec.submodules.mlp)))
+    spec = map_spec(layer_spec, swap)
+    if seen[MoELayer] and not seen[SequentialMLP]:
+        raise ValueError("moe_grouped_gemm without Transformer Engine swaps SequentialMLP experts for grouped ones, "
+                         f"but this MoE layer spec has none: {layer_spec!r}")
+    return spec
 
 
 def _with_dualkv_mlp(mlp):
@@ -114,8 +111,8 @@ def get_dualkv_layer_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
             normalization=normalization,
         ))
-        if num_experts and moe_grouped_gemm:
-            stock = _with_grouped_layer(stock)
+        if moe_grouped_gemm:
+            stock = with_grouped_experts(stock)
     return dualkv_layer_spec_from(stock, attention_backend)
 
 
@@ -149,7 +146,7 @@ def get_replicated_decoder_block_spec(
     )
     block = block if te else with_sequence_parallel_norms(block)
     if not te and config.moe_grouped_gemm:
-        block = dataclasses.replace(block, layer_specs=[_with_grouped_layer(s) for s in block.layer_specs])
+        block = dataclasses.replace(block, layer_specs=[with_grouped_experts(s) for s in block.layer_specs])
     if stock_attention == "sdpa":
         block = dataclasses.replace(block, layer_specs=[with_core_attention(s, SdpaDotProductAttention)
                                                         for s in block.layer_specs])
