@@ -16,6 +16,16 @@ def _seed():
     torch.manual_seed(1234)
 
 
+@pytest.fixture(scope="module")
+def pgs():
+    """World-size-1 gloo group + Megatron model parallelism (TP=EP=1) with the CPU shims, restored
+    after the module: the process groups of the single-process model tests."""
+    from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
+
+    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
+        yield collection
+
+
 @pytest.fixture
 def three_groups():
     """make(seed, vocab) -> three groups "a", "b", "c" of random token ids below vocab: P = 5, 2, 7;

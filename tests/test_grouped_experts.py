@@ -8,18 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
 from test_megatron_model import FP32, VOCAB, _compare
 
 from megatron_dualkv import build_layout
 from megatron_dualkv.megatron import build_dualkv_model, build_replicated_model, copy_weights, qwen3_config
 from megatron_dualkv.megatron.grouped_experts import GroupedGemmSequentialMLP
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
-        yield collection
 
 
 @pytest.fixture

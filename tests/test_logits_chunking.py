@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_cpu import GlooWorkers, cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
+from megatron_cpu import GlooWorkers, model_parallel
 
 VOCAB = 256
 CHUNKS = (1, 7, 10_000)  # 10,000 > edges: one chunk, still recomputed in backward
@@ -163,12 +163,6 @@ def test_chunked_equals_one_pass_under_context_parallelism(workers):
 # ------------------------------------------------------------------------------------------------
 # single process
 # ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
-        yield collection
 
 
 def _model(pgs, vocab=VOCAB, **kw):

@@ -15,8 +15,6 @@ import math
 import pytest
 import torch
 
-from megatron_cpu import cuda_rng_state_on_cpu, cuda_runtime_as_cpu, gloo_world_of_one, model_parallel
-
 from megatron_dualkv import Group, SegmentTable, build_layout
 from megatron_dualkv.megatron import (
     DualKVCoreAttention,
@@ -31,13 +29,6 @@ from megatron_dualkv.megatron import (
 
 VOCAB = 256
 FP32 = dict(rtol=2e-5, atol=2e-6)
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    """World-size-1 gloo group + Megatron model parallelism (TP=EP=1), shims restored afterwards."""
-    with gloo_world_of_one(), cuda_runtime_as_cpu(), cuda_rng_state_on_cpu(), model_parallel(tp=1) as collection:
-        yield collection
 
 
 def _pair(pgs, size="tiny", dtype=torch.float32, **overrides):
