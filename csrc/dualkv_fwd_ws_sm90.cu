@@ -94,8 +94,13 @@ __device__ __forceinline__ void softmax_step(float (&s)[kBK / 2], float (&m)[2],
   softmax_update<kBK>(s, m, l, sl2, [&](int r, float f) { alpha[r] = f; });
 }
 
+// Skipped when no row of the warp raised its running max (every alpha exactly 1: the result is
+// bitwise the same). Past the first tiles of a long row that is most tiles, and the 64 FMULs per
+// thread it saves sit on the softmax path that ping-pong must hide: +2-4 % forward on the long
+// shapes (docs/PERF.md, fifth session).
 template <int D>
 __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[2]) {
+  if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     o[4 * j + 0] *= alpha[0];
@@ -269,19 +274,10 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     if (lane == 0) mbar_arrive(v_empty(sl));
   }
 
-  T* og = reinterpret_cast<T*>(a.out) + h * D;
-  const long qs = (long)a.hq * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lsum = quad_sum(l[r]);
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-    const int row = row_a + r * 8;
-    if (row < q1) {
-      const long lrow = qloc + (row - q0);  // the row's place in out / lse
-      store_frag_row<T, D>(og, qs, lrow, lane, o, r, inv);
-      if ((lane & 3) == 0) a.lse[(long)h * a.Tq + lrow] = row_lse(m[r], lsum);
-    }
-  }
+  // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
+  const long qs = (long)a.hq * D, shift = (long)qloc - q0;
+  store_out_lse<T, D>(reinterpret_cast<T*>(a.out) + h * D + shift * qs, qs, a.lse + (long)h * a.Tq + shift, row_a,
+                      q1, lane, o, m, l);
 }
 
 // ---------------------------------------------------------------------------------------------
