@@ -23,6 +23,7 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
   python tools/bench_kernel.py --quick --out perf.md # ~2 minutes on an H100
   python tools/bench_kernel.py --shapes 28x32768x2048,16x65536x1024 --backends flex-triton,sdpa-cudnn
   python tools/bench_kernel.py --backends cuda --ws-dq-ab   # ws backward: dQ by atomics vs TMA reduce-add
+  python tools/bench_kernel.py --backends cuda --fwd-only   # forward only (packed backends), ~10 s
 """
 
 from __future__ import annotations
@@ -66,15 +67,17 @@ class Skip(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def time_fwd_bwd(fwd, inputs, dout, warmup, reps):
+def time_fwd_bwd(fwd, inputs, dout, warmup, reps, fwd_only=False):
     """Median forward, backward and forward+backward ms over `reps` runs, and peak GiB.
 
     Each run: event, forward (autograd on, as in training), event, backward via autograd.grad
-    (no gradient accumulation), event. Events are read after the loop.
+    (no gradient accumulation), event. Events are read after the loop. fwd_only: no backward
+    (its times are None).
     """
     for _ in range(warmup):
         out = fwd()
-        torch.autograd.grad(out, inputs, dout)
+        if not fwd_only:
+            torch.autograd.grad(out, inputs, dout)
         del out
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -84,12 +87,14 @@ def time_fwd_bwd(fwd, inputs, dout, warmup, reps):
         e[0].record()
         out = fwd()
         e[1].record()
-        grads = torch.autograd.grad(out, inputs, dout)
+        grads = None if fwd_only else torch.autograd.grad(out, inputs, dout)
         e[2].record()
         del out, grads
         marks.append(e)
     torch.cuda.synchronize()
     f = statistics.median(a.elapsed_time(b) for a, b, _ in marks)
+    if fwd_only:
+        return f, None, None, torch.cuda.max_memory_allocated() / GIB
     b = statistics.median(b_.elapsed_time(c) for _, b_, c in marks)
     fb = statistics.median(a.elapsed_time(c) for a, _, c in marks)
     return f, b, fb, torch.cuda.max_memory_allocated() / GIB
@@ -114,7 +119,7 @@ def _flex_static_entry(q, k, v, block_mask, scale):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def run_packed(name, shape, warmup, reps, state):
+def run_packed(name, shape, warmup, reps, state, fwd_only=False):
     """cuda / flex-* on the packed micro-batch [P | R_1 | ... | R_N]."""
     n, p, r = shape
     seg = group_segments(n, p, r)
@@ -174,7 +179,7 @@ def run_packed(name, shape, warmup, reps, state):
     if dq_mode:
         os.environ["MEGATRON_DUALKV_WS_DQ"] = dq_mode
     try:
-        return _time_packed(name, fwd, (q, k, v), dout, warmup, reps, state, shape, notes)
+        return _time_packed(name, fwd, (q, k, v), dout, warmup, reps, state, shape, notes, fwd_only)
     finally:
         if dq_mode:
             if saved_dq is None:
@@ -183,7 +188,7 @@ def run_packed(name, shape, warmup, reps, state):
                 os.environ["MEGATRON_DUALKV_WS_DQ"] = saved_dq
 
 
-def _time_packed(name, fwd, inputs, dout, warmup, reps, state, shape, notes):
+def _time_packed(name, fwd, inputs, dout, warmup, reps, state, shape, notes, fwd_only=False):
     # first call: compilation (flex) / first launch; recompiles show in the graph counter
     from torch._dynamo.utils import counters
 
@@ -191,7 +196,8 @@ def _time_packed(name, fwd, inputs, dout, warmup, reps, state, shape, notes):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fwd()
-    torch.autograd.grad(out, inputs, dout)
+    if not fwd_only:
+        torch.autograd.grad(out, inputs, dout)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     del out
@@ -199,7 +205,7 @@ def _time_packed(name, fwd, inputs, dout, warmup, reps, state, shape, notes):
     if name.startswith("flex"):
         notes.append(f"1st call {first:.1f} s, {new_graphs} new graph(s)")
         state.setdefault("compiles", []).append((name, shape, first, new_graphs))
-    f, b, fb, peak = time_fwd_bwd(fwd, inputs, dout, warmup, reps)
+    f, b, fb, peak = time_fwd_bwd(fwd, inputs, dout, warmup, reps, fwd_only)
     return dict(fwd=f, bwd=b, fb=fb, peak=peak, notes=notes)
 
 
@@ -273,6 +279,9 @@ def row_for(shape, backend, res):
     raw = ""
     if backend.startswith("sdpa"):
         raw = f"{attention_flops(repl, HQ, D) * FWD_BWD_FACTOR / (res['fb'] * 1e-3) / 1e12:.0f}"
+    if res["bwd"] is None:  # --fwd-only
+        return base + [f"{res['fwd']:.2f}", "", "", f"{fwd_flops / (res['fwd'] * 1e-3) / 1e12:.0f}", "", "",
+                       "", f"{res['peak']:.1f}", "; ".join(res["notes"] + ["forward only"])]
     return base + [
         f"{res['fwd']:.2f}", f"{res['bwd']:.2f}", f"{res['fb']:.2f}",
         f"{fwd_flops / (res['fwd'] * 1e-3) / 1e12:.0f}",
@@ -307,6 +316,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, help="untimed runs before timing (default 3, quick 2; replicated SDPA: 1)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
     ap.add_argument("--out", help="also write the markdown table (with device, versions, command) here")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward only (packed backends)")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
@@ -348,7 +358,7 @@ def main(argv=None):
                     if backend.startswith("sdpa"):
                         res = run_replicated(backend, shape, 1, max(2, reps // 2), state)
                     else:
-                        res = run_packed(backend, shape, warmup, reps, state)
+                        res = run_packed(backend, shape, warmup, reps, state, args.fwd_only)
                 except Skip as exc:
                     res = {"status": "n/a", "why": str(exc)}
                 except torch.OutOfMemoryError:
@@ -358,8 +368,9 @@ def main(argv=None):
                     res = {"status": "error", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 gc.collect()  # tracebacks and cycles must not carry tensors into the next row
                 torch.cuda.empty_cache()
+                fb = "" if res.get("fb") is None else f", fwd+bwd {res['fb']:.2f} ms"
                 print(f"  [{time.perf_counter() - t0:6.1f}s] {shape} {backend}: "
-                      + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms, fwd+bwd {res['fb']:.2f} ms"), flush=True)
+                      + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms{fb}"), flush=True)
             rows.append(row_for(shape, backend, res))
             if args.out:  # rewritten after every measurement: a run cut short keeps what it measured
                 with open(args.out, "w") as fh:

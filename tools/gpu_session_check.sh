@@ -13,7 +13,8 @@
 #                                                 # DIR's package and bench (an older checkout,
 #                                                 # e.g. `git archive REV megatron_dualkv tools`)
 #                                                 # ($AB_ENV: extra env per name, e.g.
-#                                                 # "new:MEGATRON_DUALKV_WS_DQ=tma")
+#                                                 # "new:MEGATRON_DUALKV_WS_DQ=tma"; $AB_ARGS: more
+#                                                 # bench_kernel.py arguments, e.g. --fwd-only)
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,7 +63,7 @@ if [ "$1" = ab ]; then
       case $lib in *@*) src=$PWD/${lib#*@}; lib=${lib%@*};; esac
       extra=$(for e in $AB_ENV; do [ "${e%%:*}" = "$name" ] && echo "${e#*:}"; done)
       TAIL=16 step "bench_${name}_${pass}" 200 env MEGATRON_DUALKV_CUDA_LIB="$PWD/$lib" PYTHONPATH="$src:/tmp/site" $extra \
-        python3 "$src/tools/bench_kernel.py" --backends cuda --reps ${AB_REPS:-5} --warmup 2 --out "$OUT/bench_${name}_${pass}.md"
+        python3 "$src/tools/bench_kernel.py" --backends cuda --reps ${AB_REPS:-5} --warmup 2 $AB_ARGS --out "$OUT/bench_${name}_${pass}.md"
     done
     [ -n "$AB_ONE_PASS" ] && break
   done
