@@ -89,6 +89,8 @@ constexpr int kStagesB = 3;  // Q/dO/lse/delta ring depth
 // kStagesB steps ahead of the slower consumer), so the ring has more slots than the stages
 constexpr int kTdRing = 8;
 constexpr int kThreadsB = 384;
+constexpr int kProducerRegsB = 24, kConsumerRegsB = 240;
+static_assert(regs_fit_384(kProducerRegsB, kConsumerRegsB), "consumer registers would never be granted");
 
 template <typename T, int D, bool kTmaDQ>
 struct BwdSmem {
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   if (role == 0) {
     // ------------------------------- producer -------------------------------
-    regs_dec<24>();
+    regs_dec<kProducerRegsB>();
     if (warp == 0) {
       if (lane == 0) {
         prefetch_map(&tm_k);
@@ -248,7 +250,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   }
 
   // ------------------------------- consumers -------------------------------
-  regs_inc<240>();
+  regs_inc<kConsumerRegsB>();
   const int cw = role - 1;
   const int krow_a = k0 + cw * 64 + warp * 16 + (lane >> 2);  // key rows krow_a, krow_a + 8
   const float sl2 = a.scale_log2;

@@ -66,6 +66,7 @@ constexpr int kThreadsWS = 384;
 #endif
 constexpr int kProducerRegs = WS_PREGS;
 constexpr int kConsumerRegs = WS_CREGS;
+static_assert(regs_fit_384(kProducerRegs, kConsumerRegs), "consumer registers would never be granted");
 constexpr int kSchedBar = 1;  // named barriers 1, 2: "consumer w may issue its MMAs" (0 is __syncthreads)
 
 // shared memory: Q [kBQ x D], K and V [kStages][kBK x D] (each as D/64 swizzled panels), then

@@ -55,6 +55,12 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// Whether a 384-thread CTA (1 producer + 2 consumer warpgroups, launch bounds 1 block) can run
+// regs_dec<producer> / regs_inc<consumer>: it starts with 168 registers per thread, and
+// setmaxnreg.inc waits for registers that a dec gave back, so asking for more hangs the
+// consumers (it did: 32 / 240 in the wide-key-tile forward experiment, docs/PERF.md).
+constexpr bool regs_fit_384(int producer, int consumer) { return (168 - producer) * 128 >= (consumer - 168) * 256; }
+
 template <int N>
 __device__ __forceinline__ void regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
