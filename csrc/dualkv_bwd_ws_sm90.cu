@@ -6,7 +6,7 @@
 // GQA group and every 64-row query tile that attends the keys), restructured like the ws forward.
 // Blocks are kv-head-major (all key tiles of kv head 0, then of kv head 1, ...) so that the CTAs
 // resident at once share one kv head's query tiles and dQ rows in L2.
-// Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, 0, 0, 0]; the query
+// Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, n_long, 0, 0]; the query
 // rows that attend keys k0..k1 are the ranges rlo..rhi of a.ranges, 4 int32 each:
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
@@ -160,9 +160,17 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int group = a.hq / a.hkv;
   // kv-head-major block order: the CTAs resident at once work for one kv head, so they share its
   // query tiles and dQ rows in L2 (item-major, 8 kv heads' working sets competed: 3.4x the DRAM
-  // traffic on (16, 32768, 2048), docs/PERF.md "Backward: where the time goes")
-  const int item = blockIdx.x % a.num_items;
-  const int hk = blockIdx.x / a.num_items;
+  // traffic on (16, 32768, 2048), docs/PERF.md "Backward: where the time goes"). In two bands:
+  // first the long items (0 .. n_long - 1, field 5 of every item; cuda_backend.ws_kv_work) of
+  // every kv head, then the others. One band, head-major throughout, started the last kv head's
+  // long prompt tiles after most short response tiles: the tail made (28, 4096, R) ~11 % slower.
+  const int n_long = a.work[5];
+  const int long_blocks = n_long * a.hkv;
+  const int band_base = (int)blockIdx.x < long_blocks ? 0 : n_long;
+  const int band_items = (int)blockIdx.x < long_blocks ? n_long : a.num_items - n_long;
+  const int band_block = (int)blockIdx.x - (band_base ? long_blocks : 0);
+  const int item = band_base + band_block % band_items;
+  const int hk = band_block / band_items;
   const int* w = a.work + item * 8;
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = w[4];
   const int n_iter = per_head * group;

@@ -477,6 +477,24 @@ def test_ws_work_lists_cover_the_held_queries_once(seed, local):
     assert kcovered == [1] * t
 
 
+@pytest.mark.parametrize("groups", [[(4096, [2048] * 28)], [(700, [5, 300]), (3000, [64] * 9), (40, [1])]])
+def test_ws_kv_items_name_their_long_band(groups):
+    """Field 5 of every ws kv item is n_long: items 0..n_long-1 (heaviest first) carry at least
+    1/LONG_BAND of the heaviest item's query tiles, the rest less. The kernel starts the first
+    band's CTAs of every kv head before any other; for a GRPO group whose responses are short
+    next to its prompt that band is exactly the prompt's key tiles."""
+    seg = make_segments(groups, device="cpu")
+    items, _ = cuda_backend.ws_kv_work(seg)
+    n_long = items[0][5]
+    assert all(it[5] == n_long for it in items) and 0 < n_long <= len(items)
+    heaviest = items[0][4]
+    assert all(it[4] * cuda_backend.LONG_BAND >= heaviest for it in items[:n_long])
+    assert all(it[4] * cuda_backend.LONG_BAND < heaviest for it in items[n_long:])
+    if len(groups) == 1:
+        p = groups[0][0]
+        assert sorted(it[0] for it in items[:n_long]) == list(range(0, p, 128))
+
+
 def test_query_chunks_reject_bad_rows():
     assert cuda_backend.query_chunks(torch.tensor([0, 1, 2, 5, 6, 9]), 10) == ((0, 3, 0), (5, 7, 3), (9, 10, 5))
     for bad in ([3, 2], [1, 1], [-1, 0], [9, 10]):
