@@ -5,7 +5,8 @@
 // dualkv_bwd_sm90.cu (one CTA per 128-row key tile and kv head, walking every query head of the
 // GQA group and every 64-row query tile that attends the keys), restructured like the ws forward.
 // Blocks are kv-head-major (all key tiles of kv head 0, then of kv head 1, ...) so that the CTAs
-// resident at once share one kv head's query tiles and dQ rows in L2.
+// resident at once share one kv head's query tiles and dQ rows in L2, in two bands: the long key
+// tiles of every kv head first, then the others (the block mapping below).
 // Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, n_long, 0, 0]; the query
 // rows that attend keys k0..k1 are the ranges rlo..rhi of a.ranges, 4 int32 each:
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
@@ -166,10 +167,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // long prompt tiles after most short response tiles: the tail made (28, 4096, R) ~11 % slower.
   const int n_long = a.work[5];
   const int long_blocks = n_long * a.hkv;
-  const int band_base = (int)blockIdx.x < long_blocks ? 0 : n_long;
-  const int band_items = (int)blockIdx.x < long_blocks ? n_long : a.num_items - n_long;
-  const int band_block = (int)blockIdx.x - (band_base ? long_blocks : 0);
-  const int item = band_base + band_block % band_items;
+  const bool in_long = (int)blockIdx.x < long_blocks;
+  const int band_block = (int)blockIdx.x - (in_long ? 0 : long_blocks);   // block index inside its band
+  const int band_items = in_long ? n_long : a.num_items - n_long;
+  const int item = (in_long ? 0 : n_long) + band_block % band_items;
   const int hk = band_block / band_items;
   const int* w = a.work + item * 8;
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = w[4];
