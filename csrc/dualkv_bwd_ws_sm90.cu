@@ -3,7 +3,12 @@
 //
 // Same math and per-CTA accumulation order of dK/dV as dkdv_kernel<..., kAtomicDQ = true> in
 // dualkv_bwd_sm90.cu (one CTA per 128-row key tile and kv head, walking every query head of the
-// GQA group and every 64-row query tile that attends the keys), restructured like the ws forward.
+// GQA group and every query tile that attends the keys), restructured like the ws forward. Query
+// tiles ("steps") of QT = 64 rows, or 80 at head dim 128 (the default there, "wide steps"; dK/dV
+// stay bitwise equal: the MMAs still add 16-row slices in the same order). Wide steps differ in
+// three places: dQ^T = K^T dS^T (M = dQ columns, N = 80 query rows: the MMA's M must be a multiple
+// of 64), dS stored as [query][key] panels by stmatrix.trans, and the dQ issued after dV/dK have
+// completed, outside the turns (registers); two Q/dO stages instead of three (shared memory).
 // Blocks are kv-head-major (all key tiles of kv head 0, then of kv head 1, ...) so that the CTAs
 // resident at once share one kv head's query tiles and dQ rows in L2, in two bands: the long key
 // tiles of every kv head first, then the others (the block mapping below).
@@ -84,8 +89,13 @@ using sm90::wgmma_regs_x_tile;
 using sm90::wgmma_rows_x_rows;
 
 constexpr int kKVB = 128;    // key rows per CTA (2 consumers x 64)
-constexpr int kQTB = 64;     // query rows per step
-constexpr int kStagesB = 3;  // Q/dO/lse/delta ring depth
+// Query rows per step (QT): 64, or 80 at head dim 128 (wide steps: S^T and dP^T as m64n80 wgmmas
+// and dQ^T = K^T dS^T, 12 % fewer shared-memory bytes per MMA flop; the 227 KB then hold two
+// Q/dO stages instead of three). Ring depth of Q/dO/lse/delta per QT:
+template <int QT>
+constexpr int stages_b() {
+  return QT == 80 ? 2 : 3;
+}
 // descriptors of steps i-1 .. i+3 may be live at once (dQ lags one step; the producer runs at most
 // kStagesB steps ahead of the slower consumer), so the ring has more slots than the stages
 constexpr int kTdRing = 8;
@@ -93,19 +103,20 @@ constexpr int kThreadsB = 384;
 constexpr int kProducerRegsB = 24, kConsumerRegsB = 240;
 static_assert(regs_fit_384(kProducerRegsB, kConsumerRegsB), "consumer registers would never be granted");
 
-template <typename T, int D, bool kTmaDQ>
+template <typename T, int D, bool kTmaDQ, int QT>
 struct BwdSmem {
-  static constexpr int kTile = kQTB * D * (int)sizeof(T);
+  static constexpr int kStagesB = stages_b<QT>();
+  static constexpr int kTile = QT * D * (int)sizeof(T);
   static constexpr int kK = 0;
   static constexpr int kV = kK + kKVB * D * (int)sizeof(T);
   static constexpr int kQ = kV + kKVB * D * (int)sizeof(T);
   static constexpr int kDO = kQ + kStagesB * kTile;
-  static constexpr int kDS = kDO + kStagesB * kTile;                   // 2 x [kKVB x kQTB] (dS^T)
-  static constexpr int kStg = kDS + 2 * kKVB * kQTB * (int)sizeof(T);   // kTmaDQ: 2 x [2][kQTB][32] fp32
-  static constexpr int kStgBytes = kTmaDQ ? 2 * kQTB * 64 * (int)sizeof(float) : 0;
-  static constexpr int kL = kStg + kStgBytes;                           // [kStagesB][kQTB] lse
-  static constexpr int kDl = kL + kStagesB * kQTB * (int)sizeof(float);  // [kStagesB][kQTB] delta
-  static constexpr int kTd = kDl + kStagesB * kQTB * (int)sizeof(float);  // [kTdRing] int4 tile descriptor
+  static constexpr int kDS = kDO + kStagesB * kTile;                 // 2 x [kKVB x QT] (dS^T; QT 80: dS)
+  static constexpr int kStg = kDS + 2 * kKVB * QT * (int)sizeof(T);   // kTmaDQ: 2 x [2][QT][32] fp32
+  static constexpr int kStgBytes = kTmaDQ ? 2 * QT * 64 * (int)sizeof(float) : 0;
+  static constexpr int kL = kStg + kStgBytes;                         // [kStagesB][QT] lse
+  static constexpr int kDl = kL + kStagesB * QT * (int)sizeof(float);  // [kStagesB][QT] delta
+  static constexpr int kTd = kDl + kStagesB * QT * (int)sizeof(float);  // [kTdRing] int4 tile descriptor
   static constexpr int kBar = kTd + kTdRing * 16;
   static constexpr int kBarCount = 1 + 2 * kStagesB + 8;  // kv_full, q_full[], empty[], ds_full[2][2], ds_empty[2][2]
   static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
@@ -128,12 +139,34 @@ __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.
 // every committed bulk group has completed (its global writes included)
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-template <typename T, int D, bool kTmaDQ, bool kTurns>
+// This consumer's dS fragment (dS^T in the accumulator layout of S^T: key rows row0 + (lane >> 2)
+// (+ 8), QT query columns) transposed into an [QT x 64] panel of key columns (poff<QT>) with
+// stmatrix.trans: 8x8 block (j, hh) of da[j >> 1][(j & 1) * 2 + hh] becomes query rows 8j..8j+7,
+// keys (row0 & 63) + 8hh .. + 7 (one 16-byte chunk per row; 8 distinct chunks per block: no bank
+// conflict). The dQ^T MMA reads the panels as its K-major B operand.
+template <typename T, int QT>
+__device__ __forceinline__ void store_ds_qk(T* panel, int row0, int lane, const uint32_t (&da)[QT / 16][4]) {
+  const int blk = lane >> 3, t = lane & 7;  // this lane addresses row t of block blk of each x4
+  const int chunk = ((row0 & 63) >> 3) + (blk & 1);
+#pragma unroll
+  for (int m = 0; m < QT / 16; ++m) {
+    const int q = (2 * m + (blk >> 1)) * 8 + t;
+    const uint32_t addr = smem_addr(panel + q * 64 + ((chunk ^ t) << 3));
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(da[m][0]), "r"(da[m][1]), "r"(da[m][2]), "r"(da[m][3])
+                 : "memory");
+  }
+}
+
+template <typename T, int D, bool kTmaDQ, bool kTurns, int QT>
 __global__ void __launch_bounds__(kThreadsB, 1)
     dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                    const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                    const __grid_constant__ CUtensorMap tm_dq, DkvArgs a) {
-  using L = BwdSmem<T, D, kTmaDQ>;
+  static_assert(QT == 64 || (QT == 80 && D == 128 && kTmaDQ), "80-row query steps: head dim 128, dQ by TMA");
+  constexpr bool kWide = QT == 80;
+  using L = BwdSmem<T, D, kTmaDQ, QT>;
+  constexpr int kStagesB = L::kStagesB;
   extern __shared__ unsigned char smem_raw[];
   // 1024-aligned base as an offset from smem_raw (not through an integer cast), so the compiler
   // keeps the shared address space: LDS/STS for lse, delta and dS^T instead of generic LD/ST
@@ -173,10 +206,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int item = (in_long ? 0 : n_long) + band_block % band_items;
   const int hk = band_block / band_items;
   const int* w = a.work + item * 8;
-  const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = w[4];
+  const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = kWide ? w[6] : w[4];
   const int n_iter = per_head * group;
 
-  // query tile i of a head: packed rows q0..qend (64 at most used), held from local row ql. Only
+  // query tile i of a head: packed rows q0..qend (QT at most used), held from local row ql. Only
   // the producer walks the ranges; it hands each step's (q0, qend, ql, causal) to the consumers in
   // the stage's shared-memory descriptor, published by its q_full arrival like lse and delta
   // (consumer registers: keeping the first two ranges there made the tma instance spill 28 bytes
@@ -185,8 +218,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto query_tile = [&](int i) -> int4 {
     for (int r = rlo; r < rhi; ++r) {
       const int4 g = __ldg(ranges + r);
-      const int n = (g.y - g.x + kQTB - 1) / kQTB;
-      if (i < n) return make_int4(g.x + i * kQTB, g.y, g.z + i * kQTB, g.w);
+      const int n = (g.y - g.x + QT - 1) / QT;
+      if (i < n) return make_int4(g.x + i * QT, g.y, g.z + i * QT, g.w);
       i -= n;
     }
     return make_int4(0, 0, 0, 0);
@@ -237,20 +270,20 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int q0 = td.x, qend = td.y, ql = td.z;
         if (lane == 0) {
           sTd[i % kTdRing] = td;
-          mbar_expect_tx(q_full(st), 2 * kQTB * D * sizeof(T));
+          mbar_expect_tx(q_full(st), 2 * QT * D * sizeof(T));
 #pragma unroll
           for (int p = 0; p < D / 64; ++p) {
-            tma_load(smem_addr(sQ + st * kQTB * D + p * kQTB * 64), &tm_q, q_full(st), p * 64, h, ql);
-            tma_load(smem_addr(sdO + st * kQTB * D + p * kQTB * 64), &tm_do, q_full(st), p * 64, h, ql);
+            tma_load(smem_addr(sQ + st * QT * D + p * QT * 64), &tm_q, q_full(st), p * 64, h, ql);
+            tma_load(smem_addr(sdO + st * QT * D + p * QT * 64), &tm_do, q_full(st), p * 64, h, ql);
           }
         }
         __syncwarp();
 #pragma unroll
-        for (int r = lane; r < kQTB; r += 32) {
+        for (int r = lane; r < QT; r += 32) {
           const bool ok = q0 + r < qend;
           const long idx = (long)h * a.Tq + (ok ? ql + r : 0);
-          sL[st * kQTB + r] = ok ? a.lse[idx] : 0.f;
-          sDl[st * kQTB + r] = ok ? a.delta[idx] : 0.f;
+          sL[st * QT + r] = ok ? a.lse[idx] : 0.f;
+          sDl[st * QT + r] = ok ? a.delta[idx] : 0.f;
         }
         mbar_arrive(q_full(st));
       }
@@ -285,25 +318,54 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   // dQ of a step from dS^T buffer pdS: D = 128: dQ[:, 64 cw : 64 cw + 64] over all 128 keys;
   // D = 64: dQ[:, 0:64] over this consumer's 64 keys (the other consumer adds its own partial sum)
-  auto issue_dq = [&](float(&dq)[32], const T* pdS) {
-    if (D == 128)
+  // Wide steps: dQ^T[64 cw : 64 cw + 64, :] = K^T dS^T over all 128 keys (M = this consumer's 64 dQ
+  // columns, N = the QT query rows; A = K's panel cw read M-major, B = dS's key panels K-major).
+  auto issue_dq = [&](float(&dq)[QT / 2], const T* pdS) {
+    if constexpr (kWide) {
+#pragma unroll
+      for (int kk = 0; kk < kKVB / 16; ++kk) {
+        const uint64_t ka = sm90::desc(sK + cw * kKVB * 64 + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
+        const uint64_t db = sm90::desc(pdS + (kk >> 2) * QT * 64 + (kk & 3) * 16, 16, 1024);
+        wgmma_ss_ta<QT, T>(dq, ka, db, kk > 0 ? 1 : 0);
+      }
+    } else if (D == 128) {
       wgmma_ds_x_k<T, kKVB, kKVB / 16>(dq, pdS, sK + cw * kKVB * 64);
-    else
+    } else {
       wgmma_ds_x_k<T, kKVB, 4>(dq, pdS, sK, cw * 4);
+    }
   };
 
   // dQ of step i: into this consumer's staging tile (kTmaDQ; reduce_dq adds it to dq_acc later) or
   // straight into dq_acc by atomics. The step's descriptor is read again from the ring (kTdRing
   // slots outlive the lag) rather than kept in registers across the next step.
-  auto store_dq = [&](const float(&dq)[32], int i) {
+  auto store_dq = [&](const float(&dq)[QT / 2], int i) {
     const int4 td = sTd[i % kTdRing];
     const int q0 = td.x, qend = td.y;
-    if constexpr (kTmaDQ) {
+    if constexpr (kWide) {
+      if (dq_issuer) bulk_wait_read0();
+      named_sync(6 + cw, 128);
+      // dQ^T fragment (dQ column c = warp * 16 + (lane >> 2) (+ 8), query rows r) -> the same staging
+      // tile [half][row][32 floats] as below, one float per store: per store the 4 rows r = 8j +
+      // 2 (lane & 3) + e and 8 columns fall on 8 distinct 16-byte chunks (no bank conflict)
+      float* stg = sStg + cw * QT * 64;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int c = warp * 16 + (lane >> 2) + hh * 8;
+        float* col = stg + (c >> 5) * QT * 32 + (c & 3);
+#pragma unroll
+        for (int j = 0; j < QT / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = j * 8 + (lane & 3) * 2 + e;
+            col[r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2)] = q0 + r < qend ? dq[4 * j + 2 * hh + e] : 0.f;
+          }
+      }
+    } else if constexpr (kTmaDQ) {
       // staging reuse: the previous reduce has read the tile before any thread stores into it
       if (dq_issuer) bulk_wait_read0();
       named_sync(6 + cw, 128);
       // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
-      float* stg = sStg + cw * kQTB * 64;
+      float* stg = sStg + cw * QT * 64;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = warp * 16 + (lane >> 2) + hh * 8;
@@ -311,7 +373,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const int chunk = ((j & 3) * 2 + ((lane & 3) >> 1)) ^ (r & 7);
-          float* dst = stg + (j >> 2) * kQTB * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
+          float* dst = stg + (j >> 2) * QT * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
           *reinterpret_cast<float2*>(dst) =
               keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
         }
@@ -338,13 +400,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     if constexpr (kTmaDQ) {
       const int4 td = sTd[i % kTdRing];
       const int h = hk * group + i / per_head;
-      float* stg = sStg + cw * kQTB * 64;
+      float* stg = sStg + cw * QT * 64;
       fence_proxy_async();      // the generic-proxy stores before the TMA (async proxy) reads them
       named_sync(4 + cw, 128);  // the whole tile is stored
       if (dq_issuer) {
         const int c0 = D == 128 ? cw * 64 : 0;
         tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, td.z);  // local rows ql.. of dq_acc
-        tma_reduce_add(&tm_dq, smem_addr(stg + kQTB * 32), c0 + 32, h, td.z);
+        tma_reduce_add(&tm_dq, smem_addr(stg + QT * 32), c0 + 32, h, td.z);
         bulk_commit();
       }
     }
@@ -357,21 +419,21 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto step = [&](auto has_prev, const int it) {
     constexpr bool kPrev = decltype(has_prev)::value;
     const int st = stage(it), b = it & 1;
-    const T* cQ = sQ + st * kQTB * D;
-    const T* cdO = sdO + st * kQTB * D;
-    const float* cL = sL + st * kQTB;
-    const float* cD = sDl + st * kQTB;
-    T* cdS = sdS + b * kKVB * kQTB;
+    const T* cQ = sQ + st * QT * D;
+    const T* cdO = sdO + st * QT * D;
+    const float* cL = sL + st * QT;
+    const float* cD = sDl + st * QT;
+    T* cdS = sdS + b * kKVB * QT;
     mbar_wait(q_full(st), parity(it));
     const int4 td = sTd[it % kTdRing];  // written by the producer before its q_full arrival
     const int q0 = td.x, qend = td.y;
     const bool causal = td.w != 0;
 
-    float s[32], dp[32];
+    float s[QT / 2], dp[QT / 2];
     turn_take();
     wg_fence();
-    wgmma_rows_x_rows<T, D, kKVB, kQTB>(s, sK, cw * 64, cQ);
-    wgmma_rows_x_rows<T, D, kKVB, kQTB>(dp, sV, cw * 64, cdO);
+    wgmma_rows_x_rows<T, D, kKVB, QT>(s, sK, cw * 64, cQ);
+    wgmma_rows_x_rows<T, D, kKVB, QT>(dp, sV, cw * 64, cdO);
     wg_commit();
     turn_pass(false);
     if (it >= 2) reduce_dq(it - 2);  // staged at the end of the previous step
@@ -384,9 +446,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // zero every row >= k1). Their P^T / dS^T rows must be zeroed here: dK/dV of those rows are
     // never stored, but dQ = dS K contracts over all 128 key rows, so unmasked rows would add the
     // neighbours' keys to dQ (the causal own rows mask them anyway; the child ranges did not).
-    const bool msk = (q0 + kQTB > qend) || (causal && q0 < k0 + kKVB) || tile_short;
+    const bool msk = (q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < QT / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
@@ -400,30 +462,50 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
       }
 
-    uint32_t pa[4][4], da[4][4];
-    pack_frags<T, kQTB>(pa, s, da, dp);
+    uint32_t pa[QT / 16][4], da[QT / 16][4];
+    pack_frags<T, QT>(pa, s, da, dp);
 
     // Group B: dV and dK first (registers and the stage only), then, while they run, dS^T into
     // this consumer's half of buffer b (once the dQ MMAs of step it - 2, which read that half, have
-    // completed), then dQ of step it - 1 once both halves of buffer b ^ 1 are there.
-    float dq[32];
+    // completed), then dQ of step it - 1 once both halves of buffer b ^ 1 are there. Wide steps
+    // hold the turn for dV and dK only and issue the dQ once they have completed: with the dQ
+    // accumulators (40) live beside the P^T / dS^T fragments (40) and dK, dV (128), ptxas
+    // serializes the wgmmas (C7512).
+    float dq[QT / 2];
     turn_take();
     reg_fence(dv);
     reg_fence(dk);
     wg_fence();
-    wgmma_regs_x_tile<T, D, kQTB>(dv, pa, cdO);
-    wgmma_regs_x_tile<T, D, kQTB>(dk, da, cQ);
+    wgmma_regs_x_tile<T, D, QT>(dv, pa, cdO);
+    wgmma_regs_x_tile<T, D, QT>(dk, da, cQ);
+    if constexpr (kWide) {
+      wg_commit();
+      turn_pass(false);
+    }
     if (it >= 2) mbar_wait(ds_empty(b, cw), ((it - 2) >> 1) & 1);
-    store_ds_t<T, kKVB>(cdS, cw * 64 + warp * 16, lane, da);
+    if constexpr (kWide)
+      store_ds_qk<T, QT>(cdS + cw * QT * 64, warp * 16, lane, da);
+    else
+      store_ds_t<T, kKVB>(cdS, cw * 64 + warp * 16, lane, da);
     fence_proxy_async();  // before the wgmma (async proxy) of either consumer reads them
     mbar_arrive(ds_full(b, cw));
     if constexpr (kPrev) {
 #pragma unroll
       for (int j = 0; j < kReadHalves; ++j) mbar_wait(ds_full(b ^ 1, read_half(j)), ((it - 1) >> 1) & 1);
-      issue_dq(dq, sdS + (b ^ 1) * kKVB * kQTB);
+      if constexpr (kWide) {
+        wg_wait<0>();
+        reg_fence(dv);
+        reg_fence(dk);
+        wg_fence();
+      }
+      issue_dq(dq, sdS + (b ^ 1) * kKVB * QT);
     }
-    wg_commit();
-    turn_pass(false);
+    if constexpr (!kWide) {
+      wg_commit();
+      turn_pass(false);
+    } else if constexpr (kPrev) {
+      wg_commit();
+    }
     wg_wait<0>();
     reg_fence(dv);
     reg_fence(dk);
@@ -443,10 +525,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const int b = it & 1;
 #pragma unroll
     for (int j = 0; j < kReadHalves; ++j) mbar_wait(ds_full(b, read_half(j)), (it >> 1) & 1);
-    float dq[32];
+    float dq[QT / 2];
     turn_take();
     wg_fence();
-    issue_dq(dq, sdS + b * kKVB * kQTB);
+    issue_dq(dq, sdS + b * kKVB * QT);
     wg_commit();
     turn_pass(true);
     if (it >= 1) reduce_dq(it - 1);
@@ -475,38 +557,39 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   }
 }
 
-// dq_acc fp32 [Tq, hq, D] as (D, hq, Tq); box = 32 columns (128 B, the swizzle span) x 1 head x 64 rows
-static bool make_dq_map(CUtensorMap* map, float* dq_acc, int d, int hq, int Tq) {
+// dq_acc fp32 [Tq, hq, D] as (D, hq, Tq); box = 32 columns (128 B, the swizzle span) x 1 head x qt rows
+static bool make_dq_map(CUtensorMap* map, float* dq_acc, int d, int hq, int Tq, int qt) {
   auto fn = encode_tiled();
   if (!fn) return false;
   const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)hq, (cuuint64_t)Tq};
   const cuuint64_t strides[2] = {(cuuint64_t)d * sizeof(float), (cuuint64_t)hq * d * sizeof(float)};
-  const cuuint32_t box[3] = {32, 1, (cuuint32_t)kQTB};
+  const cuuint32_t box[3] = {32, 1, (cuuint32_t)qt};
   const cuuint32_t estr[3] = {1, 1, 1};
   return fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_acc, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, int D, bool kTmaDQ>
+template <typename T, int D, bool kTmaDQ, int QT>
 static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
                             cudaStream_t stream) {
-  using L = BwdSmem<T, D, kTmaDQ>;
+  using L = BwdSmem<T, D, kTmaDQ, QT>;
   if (ka.dq_acc == nullptr) return cudaErrorInvalidValue;  // fast mode only
   cudaError_t e = launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
   // MEGATRON_DUALKV_WS_BWD_TURNS=0: consumers without turns (an A/B switch, like the forward's
   // MEGATRON_DUALKV_WS_PINGPONG)
   const char* turns = std::getenv("MEGATRON_DUALKV_WS_BWD_TURNS");
-  auto k = (turns && std::atoi(turns) == 0) ? dkdv_ws_kernel<T, D, kTmaDQ, false> : dkdv_ws_kernel<T, D, kTmaDQ, true>;
+  auto k = (turns && std::atoi(turns) == 0) ? dkdv_ws_kernel<T, D, kTmaDQ, false, QT>
+                                            : dkdv_ws_kernel<T, D, kTmaDQ, true, QT>;
   e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (ka.num_items == 0 || ka.T == 0 || ka.Tq == 0) return cudaSuccess;
   CUtensorMap mk, mv, mq, mdo, mdq = {};  // mdq: read only by the kTmaDQ kernel
   const int es = (int)sizeof(T);
   if (!make_map(&mk, ka.k, dt, D, ka.hkv, ka.T, kKVB, es) || !make_map(&mv, ka.v, dt, D, ka.hkv, ka.T, kKVB, es) ||
-      !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, kQTB, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, kQTB, es) ||
-      (kTmaDQ && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq)))
+      !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, QT, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, QT, es) ||
+      (kTmaDQ && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq, QT)))
     return cudaErrorInvalidResourceHandle;
   k<<<(unsigned)ka.num_items * ka.hkv, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
   return cudaGetLastError();
@@ -516,8 +599,12 @@ template <typename T, int D>
 static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
                                cudaStream_t stream) {
   const int mode = ws_dq_mode_from_env();
-  if (mode < 0) return cudaErrorInvalidValue;  // the op checks the variable first, with a clear message
-  return mode == 1 ? bwd_ws_t<T, D, true>(da, ka, dtype, dt, stream) : bwd_ws_t<T, D, false>(da, ka, dtype, dt, stream);
+  const int qt = ws_bwd_query_tile_from_env();
+  if (mode < 0 || qt < 0) return cudaErrorInvalidValue;  // the op checks the variables first, with a clear message
+  if (mode == 0) return bwd_ws_t<T, D, false, 64>(da, ka, dtype, dt, stream);
+  if constexpr (D == 128)
+    if (qt == 80) return bwd_ws_t<T, D, true, 80>(da, ka, dtype, dt, stream);
+  return bwd_ws_t<T, D, true, 64>(da, ka, dtype, dt, stream);
 }
 
 }  // namespace sm90ws
@@ -527,6 +614,16 @@ int ws_dq_mode_from_env() {
   // default tma: 8-18 % faster backward on the published shapes (H100, docs/PERF.md)
   if (m == nullptr || m[0] == '\0' || std::strcmp(m, "tma") == 0) return 1;
   if (std::strcmp(m, "atomic") == 0) return 0;
+  return -1;
+}
+
+int ws_bwd_query_tile_from_env() {
+  // query rows per step of the ws backward at head dim 128 (64 always at head dim 64 and with
+  // MEGATRON_DUALKV_WS_DQ=atomic); default 80: 7-10 % faster backward on the published shapes
+  // (H100, docs/PERF.md "Seventh session")
+  const char* m = std::getenv("MEGATRON_DUALKV_WS_BWD_QTILE");
+  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "80") == 0) return 80;
+  if (std::strcmp(m, "64") == 0) return 64;
   return -1;
 }
 

@@ -24,5 +24,9 @@ cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype
 // empty too: one TMA reduce-add per 32-column half of a 64-row tile), 0 = "atomic" (per-thread
 // float2 atomics), -1 = any other value (launch_bwd_ws_sm90 then returns cudaErrorInvalidValue).
 int ws_dq_mode_from_env();
+// Query rows per step of that kernel at head dim 128 with dQ by TMA, from MEGATRON_DUALKV_WS_BWD_QTILE:
+// 80 (unset or empty too), 64, or -1 for any other value (launch_bwd_ws_sm90 then returns
+// cudaErrorInvalidValue). Head dim 64 and the atomic dQ always step by 64 rows.
+int ws_bwd_query_tile_from_env();
 
 }  // namespace mdkv

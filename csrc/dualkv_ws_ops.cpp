@@ -54,6 +54,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   check_ws_qkv(q, k, v);
   TORCH_CHECK(mdkv::ws_dq_mode_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_WS_DQ must be 'atomic' or 'tma', got '",
               std::getenv("MEGATRON_DUALKV_WS_DQ"), "'");
+  TORCH_CHECK(mdkv::ws_bwd_query_tile_from_env() >= 0,
+              "megatron_dualkv: MEGATRON_DUALKV_WS_BWD_QTILE must be '64' or '80', got '",
+              std::getenv("MEGATRON_DUALKV_WS_BWD_QTILE"), "'");
   // kv items and ranges [a, b, loc, causal] of cuda_backend.ws_kv_work
   check_work(kv_work, q, "kv_work", 8);
   check_work(kv_ranges, q, "kv_ranges", 4);

@@ -46,6 +46,7 @@ from torch import Tensor
 from ..layout import SegmentTable
 
 TILE = 64
+WS_BWD_WIDE_TILE = 80  # query rows per step of the ws backward at head dim 128 (field 6 of its kv items)
 _LIB_ENV = "MEGATRON_DUALKV_CUDA_LIB"
 _load_state: dict = {}
 
@@ -253,7 +254,8 @@ LONG_BAND = 8
 
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
-    tiles_per_head, n_long, 0, 0] (one per key tile, also when no held query attends it: its dK, dV
+    tiles_per_head, n_long, wide_tiles_per_head, 0] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
+    one item per key tile, also when no held query attends it: its dK, dV
     are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
     segment from k0 on (causal) and the children of a root. Heaviest first; the first n_long
@@ -270,7 +272,8 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
             rlo = len(ranges)
             ranges += own + kids
             tiles = sum(_ceil(hi - lo, TILE) for lo, hi, _, _ in own + kids)
-            items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, 0, 0])
+            wide = sum(_ceil(hi - lo, WS_BWD_WIDE_TILE) for lo, hi, _, _ in own + kids)
+            items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, wide, 0])
     items.sort(key=lambda r: -r[4])
     n_long = sum(1 for it in items if it[4] * LONG_BAND >= items[0][4]) if items else 0
     for it in items:

@@ -178,6 +178,7 @@ IMPLS = {
     "wsbwd": ("sm90", "ws"),
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
+    "wsbwd-qtile-64": ("sm90", "ws"),     # 64-row query steps at head dim 128 too (default there: 80)
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
@@ -194,6 +195,8 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_TURNS", "0")
     if impl == "wsbwd-atomic-dq":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_DQ", "atomic")
+    if impl == "wsbwd-qtile-64":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_QTILE", "64")
     fwd, bwd = IMPLS[impl]
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
@@ -364,6 +367,17 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @gpu
+@pytest.mark.parametrize("var", ["MEGATRON_DUALKV_WS_BWD_QTILE", "MEGATRON_DUALKV_WS_DQ"])
+def test_ws_backward_names_a_bad_switch(var, monkeypatch):
+    seg = make_segments([(100, [30, 7])])
+    t = seg.num_tokens
+    q, k, v, dout = inputs(t, 4, 2, 128, torch.bfloat16, seed=5)
+    monkeypatch.setenv(var, "96")
+    with pytest.raises(RuntimeError, match=f"{var} must be"):
+        run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="ws")
+
+
+@gpu
 def test_torch_compile_traces_the_ops():
     seg = make_segments([(200, [10, 70])])
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
@@ -460,7 +474,7 @@ def test_ws_work_lists_cover_the_held_queries_once(seed, local):
     assert covered == {i: 1 for i in local_of}
     items, ranges = cuda_backend.ws_kv_work(seg, chunks)
     kcovered = [0] * t
-    for k0, k1, rlo, rhi, per_head, _, _, _ in items:
+    for k0, k1, rlo, rhi, per_head, _, wide_per_head, _ in items:
         s_ = seg_of[k0]
         assert seg_of[k1 - 1] == s_ and k1 - k0 <= 128
         visited = {}
@@ -470,6 +484,7 @@ def test_ws_work_lists_cover_the_held_queries_once(seed, local):
                 assert i not in visited and local_of[i] == loc + i - a
                 visited[i] = causal
         assert per_head == sum(-(-(b - a) // 64) for a, b, _, _ in ranges[rlo:rhi])
+        assert wide_per_head == sum(-(-(b - a) // 80) for a, b, _, _ in ranges[rlo:rhi])
         for j in range(k0, k1):
             kcovered[j] += 1
             allowed = {i for i in local_of if (seg_of[i] == s_ and i >= j) or parents[seg_of[i]] == s_}
