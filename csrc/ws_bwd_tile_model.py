@@ -3,7 +3,8 @@
     python csrc/ws_bwd_tile_model.py        (a few seconds; exit 0: the kernel's masking is exact)
 
 It replays dkdv_ws_kernel's work, tile by tile, with the kernel's data movement: the same kv items
-and query ranges (cuda_backend.ws_kv_work: 128-row key tiles, 64-row query tiles), K/V and Q/dO read as whole TMA boxes (rows past T
+and query ranges (cuda_backend.ws_kv_work: 128-row key tiles; query tiles of 80 rows at head dim
+128 and 64 at head dim 64, as the kernel's defaults), K/V and Q/dO read as whole TMA boxes (rows past T
 zero, rows of a neighbouring segment NOT zero), lse/delta zero past qend, the kernel's P^T mask,
 dV/dK stored for rows < k1 only, dQ += dS K over all 128 key rows for rows < qend. It compares
 dq, dk, dv with the exact attention gradients of the same layouts, with the key-row mask of the
@@ -21,9 +22,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from megatron_dualkv.layout import SegmentTable  # noqa: E402
-from megatron_dualkv.ops.cuda_backend import query_chunks, ws_kv_work  # noqa: E402
+from megatron_dualkv.ops.cuda_backend import WS_BWD_WIDE_TILE, query_chunks, ws_kv_work  # noqa: E402
 
-KV, QT = 128, 64  # key rows per CTA, query rows per step (kKVB, kQTB)
+KV = 128  # key rows per CTA (kKVB)
+
+
+def query_tile_rows(d):
+    """Query rows per step (the kernel's QT) at head dim d, as the kernel runs by default."""
+    return WS_BWD_WIDE_TILE if d == 128 else 64
 
 
 def exact(q, k, v, do, seg, scale):
@@ -60,10 +66,10 @@ def box(x, r0, rows):
     return out
 
 
-def query_tiles(item, ranges):
-    """(q0, qend, local row of q0, causal) of each 64-row query step of a kv item."""
+def query_tiles(item, ranges, qt):
+    """(q0, qend, local row of q0, causal) of each qt-row query step of a kv item."""
     _, _, rlo, rhi = item[:4]
-    return [(q0, b, loc + q0 - a, bool(causal)) for a, b, loc, causal in ranges[rlo:rhi] for q0 in range(a, b, QT)]
+    return [(q0, b, loc + q0 - a, bool(causal)) for a, b, loc, causal in ranges[rlo:rhi] for q0 in range(a, b, qt)]
 
 
 def replay(q, k, v, do, lse, delta, seg, scale, key_mask, chunks=None):
@@ -72,18 +78,20 @@ def replay(q, k, v, do, lse, delta, seg, scale, key_mask, chunks=None):
     tq, hq, d = q.shape
     t, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
+    QT = query_tile_rows(d)
     kv_work, ranges = ws_kv_work(seg, chunks)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for item in kv_work:
         k0, k1 = item[0], item[1]
-        assert len(query_tiles(item, ranges)) == item[4], "tile count differs from the work list's per_head"
+        tiles = query_tiles(item, ranges, QT)
+        assert len(tiles) == item[4 if QT == 64 else 6], "tile count differs from the work list's per_head"
         kb, vb = box(k, k0, KV), box(v, k0, KV)  # [128, hkv, d]
         krow = k0 + torch.arange(KV)
         for hk in range(hkv):
             dk_acc = torch.zeros(KV, d, dtype=q.dtype)
             dv_acc = torch.zeros(KV, d, dtype=q.dtype)
             for h in range(hk * group, (hk + 1) * group):
-                for q0, qend, ql, causal in query_tiles(item, ranges):
+                for q0, qend, ql, causal in tiles:
                     qrow = q0 + torch.arange(QT)
                     lrow = (ql + torch.arange(QT)).clamp(max=tq - 1)
                     ok = qrow < qend
@@ -100,7 +108,7 @@ def replay(q, k, v, do, lse, delta, seg, scale, key_mask, chunks=None):
                     dst = pt * (dpt - db[None, :])
                     dv_acc += pt @ dob
                     dk_acc += dst @ qb
-                    dq_tile = dst.T @ kb[:, hk]  # dQ = dS K over all 128 key rows of the box
+                    dq_tile = dst.T @ kb[:, hk]  # dQ = dS K (QT 80: dQ^T = K^T dS^T) over all 128 key rows
                     n = int(ok.sum())
                     dq[ql:ql + n, h] += dq_tile[:n]
             dk[k0:k1, hk] = scale * dk_acc[:k1 - k0]
