@@ -341,41 +341,40 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto store_dq = [&](const float(&dq)[QT / 2], int i) {
     const int4 td = sTd[i % kTdRing];
     const int q0 = td.x, qend = td.y;
-    if constexpr (kWide) {
-      if (dq_issuer) bulk_wait_read0();
-      named_sync(6 + cw, 128);
-      // dQ^T fragment (dQ column c = warp * 16 + (lane >> 2) (+ 8), query rows r) -> the same staging
-      // tile [half][row][32 floats] as below, one float per store: per store the 4 rows r = 8j +
-      // 2 (lane & 3) + e and 8 columns fall on 8 distinct 16-byte chunks (no bank conflict)
-      float* stg = sStg + cw * QT * 64;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int c = warp * 16 + (lane >> 2) + hh * 8;
-        float* col = stg + (c >> 5) * QT * 32 + (c & 3);
-#pragma unroll
-        for (int j = 0; j < QT / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int r = j * 8 + (lane & 3) * 2 + e;
-            col[r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2)] = q0 + r < qend ? dq[4 * j + 2 * hh + e] : 0.f;
-          }
-      }
-    } else if constexpr (kTmaDQ) {
+    if constexpr (kTmaDQ) {
       // staging reuse: the previous reduce has read the tile before any thread stores into it
       if (dq_issuer) bulk_wait_read0();
       named_sync(6 + cw, 128);
-      // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
       float* stg = sStg + cw * QT * 64;
+      if constexpr (kWide) {
+        // dQ^T fragment (dQ column c = warp * 16 + (lane >> 2) (+ 8), query rows r) -> the same
+        // staging tile as below, one float per store: per store the 4 rows r = 8j + 2 (lane & 3) +
+        // e and 8 columns fall on 8 distinct 16-byte chunks (no bank conflict)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp * 16 + (lane >> 2) + hh * 8;
-        const bool keep = q0 + r < qend;  // the box adds all 64 rows: zeros past the range
+        for (int hh = 0; hh < 2; ++hh) {
+          const int c = warp * 16 + (lane >> 2) + hh * 8;
+          float* col = stg + (c >> 5) * QT * 32 + (c & 3);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int chunk = ((j & 3) * 2 + ((lane & 3) >> 1)) ^ (r & 7);
-          float* dst = stg + (j >> 2) * QT * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
-          *reinterpret_cast<float2*>(dst) =
-              keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
+          for (int j = 0; j < QT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = j * 8 + (lane & 3) * 2 + e;
+              col[r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2)] = q0 + r < qend ? dq[4 * j + 2 * hh + e] : 0.f;
+            }
+        }
+      } else {
+        // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = warp * 16 + (lane >> 2) + hh * 8;
+          const bool keep = q0 + r < qend;  // the box adds all QT rows: zeros past the range
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int chunk = ((j & 3) * 2 + ((lane & 3) >> 1)) ^ (r & 7);
+            float* dst = stg + (j >> 2) * QT * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
+            *reinterpret_cast<float2*>(dst) =
+                keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
+          }
         }
       }
     } else {
