@@ -12,7 +12,8 @@
 // Blocks are kv-head-major (all key tiles of kv head 0, then of kv head 1, ...) so that the CTAs
 // resident at once share one kv head's query tiles and dQ rows in L2, in two bands: the long key
 // tiles of every kv head first, then the others (the block mapping below).
-// Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, n_long, 0, 0]; the query
+// Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, n_long, wide_tiles_per_head,
+// 0] (query tiles of 64 and of kWideQT rows per head); the query
 // rows that attend keys k0..k1 are the ranges rlo..rhi of a.ranges, 4 int32 each:
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
@@ -89,12 +90,14 @@ using sm90::wgmma_regs_x_tile;
 using sm90::wgmma_rows_x_rows;
 
 constexpr int kKVB = 128;    // key rows per CTA (2 consumers x 64)
-// Query rows per step (QT): 64, or 80 at head dim 128 (wide steps: S^T and dP^T as m64n80 wgmmas
-// and dQ^T = K^T dS^T, 12 % fewer shared-memory bytes per MMA flop; the 227 KB then hold two
-// Q/dO stages instead of three). Ring depth of Q/dO/lse/delta per QT:
+// Query rows per step (QT): 64, or kWideQT at head dim 128 (wide steps: S^T and dP^T as m64n80
+// wgmmas and dQ^T = K^T dS^T, 8 % fewer shared-memory bytes per MMA flop; the 227 KB then hold two
+// Q/dO stages instead of three). cuda_backend.WS_BWD_WIDE_TILE is the same number. Ring depth of
+// Q/dO/lse/delta per QT:
+constexpr int kWideQT = 80;
 template <int QT>
 constexpr int stages_b() {
-  return QT == 80 ? 2 : 3;
+  return QT == kWideQT ? 2 : 3;
 }
 // descriptors of steps i-1 .. i+3 may be live at once (dQ lags one step; the producer runs at most
 // kStagesB steps ahead of the slower consumer), so the ring has more slots than the stages
@@ -163,8 +166,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                    const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                    const __grid_constant__ CUtensorMap tm_dq, DkvArgs a) {
-  static_assert(QT == 64 || (QT == 80 && D == 128 && kTmaDQ), "80-row query steps: head dim 128, dQ by TMA");
-  constexpr bool kWide = QT == 80;
+  static_assert(QT == 64 || (QT == kWideQT && D == 128 && kTmaDQ), "wide query steps: head dim 128, dQ by TMA");
+  constexpr bool kWide = QT == kWideQT;
   using L = BwdSmem<T, D, kTmaDQ, QT>;
   constexpr int kStagesB = L::kStagesB;
   extern __shared__ unsigned char smem_raw[];
@@ -602,7 +605,7 @@ static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype
   if (mode < 0 || qt < 0) return cudaErrorInvalidValue;  // the op checks the variables first, with a clear message
   if (mode == 0) return bwd_ws_t<T, D, false, 64>(da, ka, dtype, dt, stream);
   if constexpr (D == 128)
-    if (qt == 80) return bwd_ws_t<T, D, true, 80>(da, ka, dtype, dt, stream);
+    if (qt == kWideQT) return bwd_ws_t<T, D, true, kWideQT>(da, ka, dtype, dt, stream);
   return bwd_ws_t<T, D, true, 64>(da, ka, dtype, dt, stream);
 }
 
@@ -618,10 +621,10 @@ int ws_dq_mode_from_env() {
 
 int ws_bwd_query_tile_from_env() {
   // query rows per step of the ws backward at head dim 128 (64 always at head dim 64 and with
-  // MEGATRON_DUALKV_WS_DQ=atomic); default 80: 7-10 % faster backward on the published shapes
-  // (H100, docs/PERF.md "Seventh session")
+  // MEGATRON_DUALKV_WS_DQ=atomic); default 80 (sm90ws::kWideQT): 5-10 % faster backward on the
+  // published shapes (H100, docs/PERF.md "Seventh session")
   const char* m = std::getenv("MEGATRON_DUALKV_WS_BWD_QTILE");
-  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "80") == 0) return 80;
+  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "80") == 0) return sm90ws::kWideQT;
   if (std::strcmp(m, "64") == 0) return 64;
   return -1;
 }

@@ -21,7 +21,7 @@ namespace mdkv {
 // by the caller; required: returns cudaErrorInvalidValue when null). kv items of 128-row key tiles.
 cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream);
 // How that kernel adds dQ, from MEGATRON_DUALKV_WS_DQ (read at every launch): 1 = "tma" (unset or
-// empty too: one TMA reduce-add per 32-column half of a 64-row tile), 0 = "atomic" (per-thread
+// empty too: one TMA reduce-add per 32-column half of a query tile), 0 = "atomic" (per-thread
 // float2 atomics), -1 = any other value (launch_bwd_ws_sm90 then returns cudaErrorInvalidValue).
 int ws_dq_mode_from_env();
 // Query rows per step of that kernel at head dim 128 with dQ by TMA, from MEGATRON_DUALKV_WS_BWD_QTILE:
