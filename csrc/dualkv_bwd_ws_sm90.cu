@@ -20,8 +20,8 @@
 // ranges are the key tile's own segment (masked by qrow >= krow), the others its children.
 //   warpgroup 0, producer (setmaxnreg 24): one warp. Lane 0 loads K and V once and, per step,
 //     the Q and dO tiles with TMA into a 3-stage ring and writes the step's tile descriptor
-//     (q0, qend, local row, causal) into a ring of 8; the 32 lanes load the step's 64 lse and
-//     delta values with plain loads into shared memory and arrive on the stage's mbarrier
+//     (q0, qend, local row, causal) into a ring of 8; the 32 lanes load the step's lse (stored as
+//     -lse * log2 e) and delta values with plain loads into shared memory and arrive on the stage's mbarrier
 //     (release semantics order their st.shared before the arrival).
 //   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
 //     Step i: group A = S^T = K Q^T, dP^T = V dO^T (wgmma); P^T and dS^T in registers; group B =
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         for (int r = lane; r < QT; r += 32) {
           const bool ok = q0 + r < qend;
           const long idx = (long)h * a.Tq + (ok ? ql + r : 0);
-          sL[st * QT + r] = ok ? a.lse[idx] : 0.f;
+          sL[st * QT + r] = ok ? -a.lse[idx] * kLog2e : 0.f;  // the consumers' exponent offset, ready
           sDl[st * QT + r] = ok ? a.delta[idx] : 0.f;
         }
         mbar_arrive(q_full(st));
@@ -325,10 +325,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // columns, N = the QT query rows; A = K's panel cw read M-major, B = dS's key panels K-major).
   auto issue_dq = [&](float(&dq)[QT / 2], const T* pdS) {
     if constexpr (kWide) {
+      const uint64_t ka0 = sm90::desc(sK + cw * kKVB * 64, kKVB * 64 * (int)sizeof(T), 1024);
+      const uint64_t db0 = sm90::desc(pdS, 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < kKVB / 16; ++kk) {
-        const uint64_t ka = sm90::desc(sK + cw * kKVB * 64 + kk * 16 * 64, kKVB * 64 * (int)sizeof(T), 1024);
-        const uint64_t db = sm90::desc(pdS + (kk >> 2) * QT * 64 + (kk & 3) * 16, 16, 1024);
+        const uint64_t ka = sm90::desc_plus(ka0, kk * 16 * 64 * (int)sizeof(T));
+        const uint64_t db = sm90::desc_plus(db0, ((kk >> 2) * QT * 64 + (kk & 3) * 16) * (int)sizeof(T));
         wgmma_ss_ta<QT, T>(dq, ka, db, kk > 0 ? 1 : 0);
       }
     } else if (D == 128) {
@@ -353,18 +355,27 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         // dQ^T fragment (dQ column c = warp * 16 + (lane >> 2) (+ 8), query rows r) -> the same
         // staging tile as below, one float per store: per store the 4 rows r = 8j + 2 (lane & 3) +
         // e and 8 columns fall on 8 distinct 16-byte chunks (no bank conflict)
+        // A full tile (most of them) stores without a compare and select per element.
+        auto stage_rows = [&](auto partial) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int c = warp * 16 + (lane >> 2) + hh * 8;
-          float* col = stg + (c >> 5) * QT * 32 + (c & 3);
+          for (int hh = 0; hh < 2; ++hh) {
+            const int c = warp * 16 + (lane >> 2) + hh * 8;
+            float* col = stg + (c >> 5) * QT * 32 + (c & 3);
 #pragma unroll
-          for (int j = 0; j < QT / 8; ++j)
+            for (int j = 0; j < QT / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int r = j * 8 + (lane & 3) * 2 + e;
-              col[r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2)] = q0 + r < qend ? dq[4 * j + 2 * hh + e] : 0.f;
-            }
-        }
+              for (int e = 0; e < 2; ++e) {
+                const int r = j * 8 + (lane & 3) * 2 + e;
+                const float v = dq[4 * j + 2 * hh + e];
+                col[r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2)] =
+                    decltype(partial)::value && q0 + r >= qend ? 0.f : v;
+              }
+          }
+        };
+        if (q0 + QT <= qend)
+          stage_rows(std::false_type{});
+        else
+          stage_rows(std::true_type{});
       } else {
         // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
 #pragma unroll
@@ -448,21 +459,29 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // zero every row >= k1). Their P^T / dS^T rows must be zeroed here: dK/dV of those rows are
     // never stored, but dQ = dS K contracts over all 128 key rows, so unmasked rows would add the
     // neighbours' keys to dQ (the causal own rows mask them anyway; the child ranges did not).
-    const bool msk = (q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short;
+    // One branch for the whole tile, not one per element (ptxas kept the `if (msk)` inside the
+    // unrolled loop: a branch and a compare per element, ~10 % of the stall samples, docs/PERF.md).
+    // cL holds -lse * log2(e) (the producer), so p is bitwise what exp2(s sl2 - lse log2 e) was.
+    auto probs = [&](auto masked) {
 #pragma unroll
-    for (int j = 0; j < QT / 8; ++j)
+      for (int j = 0; j < QT / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
-        float p = exp2f(fmaf(s[4 * j + e], sl2, -cL[c] * kLog2e));
-        if (msk) {
-          const int qrow = q0 + c;
-          const int krow = krow_a + (e >> 1) * 8;
-          if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
+          float p = exp2f(fmaf(s[4 * j + e], sl2, cL[c]));
+          if constexpr (decltype(masked)::value) {
+            const int qrow = q0 + c;
+            const int krow = krow_a + (e >> 1) * 8;
+            if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
+          }
+          s[4 * j + e] = p;
+          dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
         }
-        s[4 * j + e] = p;
-        dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
-      }
+    };
+    if ((q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short)
+      probs(std::true_type{});
+    else
+      probs(std::false_type{});
 
     uint32_t pa[QT / 16][4], da[QT / 16][4];
     pack_frags<T, QT>(pa, s, da, dp);

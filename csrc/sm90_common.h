@@ -73,16 +73,22 @@ __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo_bytes, uint
   return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16) |
          ((uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
+// desc(p + bytes, same lbo / sbo) from d = desc(p, lbo, sbo): bytes / 16 more in the start-address
+// field (bits 0-13). Shared addresses stay below 2^18, so the field never carries into the next one,
+// and the MMA loops below add one constant per k-step instead of rebuilding the descriptor (cvta,
+// mask, shift, or: a quarter of the ws backward's executed instructions, docs/PERF.md)
+__device__ __forceinline__ uint64_t desc_plus(uint64_t d, uint32_t bytes) { return d + (bytes >> 4); }
 
 // D[64 x N] (+)= A B^T over all D columns (issue only; the caller fences, commits and waits):
 // A = rows a_row0 .. a_row0 + 63 of an [RA x D] tile, B an [N x D] tile, both as panels (poff),
 // K-major; the first MMA overwrites D.
 template <typename T, int D, int RA, int N>
 __device__ __forceinline__ void wgmma_rows_x_rows(float (&d)[N / 2], const T* sA, int a_row0, const T* sB) {
+  const uint64_t da0 = desc(sA + a_row0 * 64, 16, 1024), db0 = desc(sB, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const uint64_t da = desc(sA + (kk >> 2) * RA * 64 + a_row0 * 64 + (kk & 3) * 16, 16, 1024);
-    const uint64_t db = desc(sB + (kk >> 2) * N * 64 + (kk & 3) * 16, 16, 1024);
+    const uint64_t da = desc_plus(da0, ((kk >> 2) * RA * 64 + (kk & 3) * 16) * (int)sizeof(T));
+    const uint64_t db = desc_plus(db0, ((kk >> 2) * N * 64 + (kk & 3) * 16) * (int)sizeof(T));
     wgmma_ss<N, T>(d, da, db, kk > 0 ? 1 : 0);
   }
 }
@@ -112,22 +118,21 @@ __device__ __forceinline__ void pack_frags(uint32_t (&p)[K / 16][4], const float
 // (panels, read N-major)
 template <typename T, int D, int K>
 __device__ __forceinline__ void wgmma_regs_x_tile(float (&d)[D / 2], const uint32_t (&p)[K / 16][4], const T* sB) {
+  const uint64_t db0 = desc(sB, K * 64 * (int)sizeof(T), 1024);
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    const uint64_t db = desc(sB + kk * 16 * 64, K * 64 * (int)sizeof(T), 1024);
-    wgmma_rs_tb<D, T>(d, p[kk], db, 1);
-  }
+  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs_tb<D, T>(d, p[kk], desc_plus(db0, kk * 16 * 64 * (int)sizeof(T)), 1);
 }
 
 // dQ [64 x 64] (+)= dS K over the 16-key steps kk0 .. kk0 + NK - 1 (issue only): dS^T and K both
 // read transposed from shared memory, panels of K key rows (sk: K's panel of these 64 dQ columns)
 template <typename T, int K, int NK>
 __device__ __forceinline__ void wgmma_ds_x_k(float (&dq)[32], const T* sds, const T* sk, int kk0 = 0) {
+  const uint64_t a0 = desc(sds + kk0 * 16 * 64, K * 64 * (int)sizeof(T), 1024);
+  const uint64_t b0 = desc(sk + kk0 * 16 * 64, K * 64 * (int)sizeof(T), 1024);
 #pragma unroll
   for (int kk = 0; kk < NK; ++kk) {
-    const uint64_t a_ = desc(sds + (kk0 + kk) * 16 * 64, K * 64 * (int)sizeof(T), 1024);
-    const uint64_t b_ = desc(sk + (kk0 + kk) * 16 * 64, K * 64 * (int)sizeof(T), 1024);
-    wgmma_ss_tt<64, T>(dq, a_, b_, kk > 0 ? 1 : 0);
+    const uint32_t off = kk * 16 * 64 * (int)sizeof(T);
+    wgmma_ss_tt<64, T>(dq, desc_plus(a0, off), desc_plus(b0, off), kk > 0 ? 1 : 0);
   }
 }
 
