@@ -18,8 +18,7 @@
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
 // ranges are the key tile's own segment (masked by qrow >= krow), the others its children.
-//   warpgroup 0 (setmaxnreg 24): the producer warp and (kTmaDQ) two dQ writer warps (below).
-//     Producer lane 0 loads K and V once and, per step,
+//   warpgroup 0, producer (setmaxnreg 24): one warp. Lane 0 loads K and V once and, per step,
 //     the Q and dO tiles with TMA into a 3-stage ring and writes the step's tile descriptor
 //     (q0, qend, local row, causal) into a ring of 8; the 32 lanes load the step's lse (stored as
 //     -lse * log2 e) and delta values with plain loads into shared memory and arrive on the stage's mbarrier
@@ -46,23 +45,18 @@
 //     fence.proxy.async); the dQ MMA of step i waits for the use (i - 1) >> 1 of buffer (i-1) & 1.
 //   ds_empty[b][h]: one arrival per warp that reads half h (D = 128: 8, D = 64: 4) after its dQ
 //     MMA completed; consumer h waits for the use (i - 2) >> 1 before writing buffer i & 1.
-//   stg_full[w]: 128 arrivals (every thread of consumer w after its staging stores of step i's dQ
-//     and fence.proxy.async); the writer waits for parity i & 1.
-//   stg_empty[w]: 1 arrival (the writer, once step i's reduces have read the tile); consumer w
-//     waits for parity (i - 1) & 1 before staging step i's dQ.
 // csrc/ws_pipeline_model.py replays this protocol under random interleavings.
 //
-// dQ into dq_acc by TMA reduce-add (kTmaDQ, default): each consumer owns one fp32 staging tile (QT
-// query rows x 64 dQ columns, two 32-column halves of QT rows x 128 B, 128-byte swizzled like the
-// tensor map's box). The consumer waits on stg_empty for the previous step's reduce to have read
-// the tile, every thread stores its fragment (rows >= qend as zeros: the box covers QT rows);
-// after the consumer has issued its next MMA group (so that the stores land meanwhile) every
-// thread fences (fence.proxy.async) and arrives on stg_full. The consumer's dQ writer (producer
-// warpgroup warp 1 + cw, lane 0) waits on stg_full, issues two cp.reduce.async.bulk.tensor (add,
-// fp32), waits until they have read the tile (wait_group.read 0) and arrives on stg_empty. The box
-// starts at the tile's local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA.
-// Before exiting, the writer waits for the writes too (wait_group 0). MEGATRON_DUALKV_WS_DQ=atomic:
-// float2 atomics from registers instead (slower, kept for A/B).
+// dQ into dq_acc by TMA reduce-add (kTmaDQ, default): each consumer owns one fp32 staging tile (64
+// query rows x 64 dQ columns, 16 KB, two 32-column halves of 64 rows x 128 B, 128-byte swizzled
+// like the tensor map's box). Thread 0 waits until the previous reduce has read the tile
+// (cp.async.bulk.wait_group.read 0), named barrier 6 + cw, every thread stores its fragment (rows
+// >= qend as zeros: the box covers 64 rows); after the consumer has issued its next MMA group
+// (so that the stores land meanwhile): fence.proxy.async, named barrier 4 + cw, then thread 0
+// issues two cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. The box starts
+// at the tile's local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA. Before
+// exiting, thread 0 waits for the writes too (wait_group 0). MEGATRON_DUALKV_WS_DQ=atomic: float2
+// atomics from registers instead (slower, kept for A/B).
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -127,8 +121,7 @@ struct BwdSmem {
   static constexpr int kDl = kL + kStagesB * QT * (int)sizeof(float);  // [kStagesB][QT] delta
   static constexpr int kTd = kDl + kStagesB * QT * (int)sizeof(float);  // [kTdRing] int4 tile descriptor
   static constexpr int kBar = kTd + kTdRing * 16;
-  // kv_full, q_full[], empty[], ds_full[2][2], ds_empty[2][2], stg_full[2], stg_empty[2]
-  static constexpr int kBarCount = 1 + 2 * kStagesB + 8 + 4;
+  static constexpr int kBarCount = 1 + 2 * kStagesB + 8;  // kv_full, q_full[], empty[], ds_full[2][2], ds_empty[2][2]
   static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
   static_assert(kStg % 1024 == 0, "the 128-byte swizzle of the dQ staging tile needs a 1024-aligned base");
   static_assert(kBytes <= 227 * 1024, "shared memory of the ws backward exceeds the 227 KB an sm_90 CTA can have");
@@ -198,10 +191,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // every consumer whose dQ MMA reads it (D = 128: both; D = 64: consumer h) completed that MMA
   auto ds_full = [&](int b, int h) { return bar0 + 8u * (1 + 2 * kStagesB + 2 * b + h); };
   auto ds_empty = [&](int b, int h) { return bar0 + 8u * (1 + 2 * kStagesB + 4 + 2 * b + h); };
-  // dQ staging tile of consumer w (kTmaDQ): full = its 128 threads stored and fenced a step's dQ;
-  // empty = the dQ writer's reduce has read it
-  auto stg_full = [&](int w) { return bar0 + 8u * (1 + 2 * kStagesB + 8 + w); };
-  auto stg_empty = [&](int w) { return bar0 + 8u * (1 + 2 * kStagesB + 10 + w); };
   auto stage = [](int i) { return i % kStagesB; };
   auto parity = [](int i) { return (uint32_t)((i / kStagesB) & 1); };
 
@@ -256,11 +245,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         mbar_init(ds_full(b, h), 128);
         mbar_init(ds_empty(b, h), D == 128 ? 8 : 4);
       }
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      mbar_init(stg_full(w), 128);
-      mbar_init(stg_empty(w), 1);
-    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -306,28 +290,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         }
         mbar_arrive(q_full(st));
       }
-    } else if (kTmaDQ && warp <= 2 && lane == 0) {
-      // dQ writer of consumer warp - 1: each step's staged dQ, in step order, into dq_acc by two
-      // TMA reduce-adds (one per 32-column half); the staging tile is handed back once they have
-      // read it. Off the consumers' path: there the reduce cost a barrier over the consumer's
-      // four warps and a descriptor load after every S/dP issue (docs/PERF.md).
-      const int w = warp - 1;
-      const float* stg = sStg + w * QT * 64;
-      prefetch_map(&tm_dq);
-      for (int i = 0; i < n_iter; ++i) {
-        mbar_wait(stg_full(w), i & 1);
-        // slot i % kTdRing outlives this read: consumer w cannot stage step i + 1's dQ (at the
-        // end of its step i + 2) before the arrival below, so the producer is at most at step i + 4
-        const int4 td = sTd[i % kTdRing];
-        const int h = hk * group + i / per_head;
-        const int c0 = D == 128 ? w * 64 : 0;
-        tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, td.z);  // local rows ql.. of dq_acc
-        tma_reduce_add(&tm_dq, smem_addr(stg + QT * 32), c0 + 32, h, td.z);
-        bulk_commit();
-        bulk_wait_read0();
-        mbar_arrive(stg_empty(w));
-      }
-      bulk_wait0();  // the reduces have written dq_acc before the CTA (and its shared memory) goes
     }
     return;
   }
@@ -338,6 +300,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int krow_a = k0 + cw * 64 + warp * 16 + (lane >> 2);  // key rows krow_a, krow_a + 8
   const float sl2 = a.scale_log2;
   const bool tile_short = k1 < k0 + kKVB;  // rows k1.. of sK / sV belong to another segment
+  const bool dq_issuer = kTmaDQ && warp == 0 && lane == 0;  // issues this consumer's dQ reduces
+  if (dq_issuer) prefetch_map(&tm_dq);
   // dS^T key halves a consumer's dQ MMA reads: D = 128 all 128 keys for its 64 columns (both
   // halves); D = 64 a partial dQ over its own 64 keys (its own half)
   constexpr int kReadHalves = D == 128 ? 2 : 1;
@@ -376,15 +340,16 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     }
   };
 
-  // dQ of step i: into this consumer's staging tile (kTmaDQ; the dQ writer adds it to dq_acc later) or
+  // dQ of step i: into this consumer's staging tile (kTmaDQ; reduce_dq adds it to dq_acc later) or
   // straight into dq_acc by atomics. The step's descriptor is read again from the ring (kTdRing
   // slots outlive the lag) rather than kept in registers across the next step.
   auto store_dq = [&](const float(&dq)[QT / 2], int i) {
     const int4 td = sTd[i % kTdRing];
     const int q0 = td.x, qend = td.y;
     if constexpr (kTmaDQ) {
-      // staging reuse: the writer's reduce of step i - 1 has read the tile
-      if (i >= 1) mbar_wait(stg_empty(cw), (i - 1) & 1);
+      // staging reuse: the previous reduce has read the tile before any thread stores into it
+      if (dq_issuer) bulk_wait_read0();
+      named_sync(6 + cw, 128);
       float* stg = sStg + cw * QT * 64;
       if constexpr (kWide) {
         // dQ^T fragment (dQ column c = warp * 16 + (lane >> 2) (+ 8), query rows r) -> the same
@@ -442,12 +407,21 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     }
   };
 
-  // kTmaDQ: the staged dQ (the oldest step not yet handed over) to the dQ writer. Deferred until
-  // this consumer has issued its next MMA group, so that the fence finds the staging stores landed.
-  auto publish_dq = [&]() {
+  // kTmaDQ: the staged dQ of step i into dq_acc. Deferred until this consumer has issued its next
+  // MMA group: the fence waits for the staging stores to land, which they do meanwhile.
+  auto reduce_dq = [&](int i) {
     if constexpr (kTmaDQ) {
-      fence_proxy_async();  // the generic-proxy stores before the TMA (async proxy) reads them
-      mbar_arrive(stg_full(cw));
+      const int4 td = sTd[i % kTdRing];
+      const int h = hk * group + i / per_head;
+      float* stg = sStg + cw * QT * 64;
+      fence_proxy_async();      // the generic-proxy stores before the TMA (async proxy) reads them
+      named_sync(4 + cw, 128);  // the whole tile is stored
+      if (dq_issuer) {
+        const int c0 = D == 128 ? cw * 64 : 0;
+        tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, td.z);  // local rows ql.. of dq_acc
+        tma_reduce_add(&tm_dq, smem_addr(stg + QT * 32), c0 + 32, h, td.z);
+        bulk_commit();
+      }
     }
   };
 
@@ -475,7 +449,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     wgmma_rows_x_rows<T, D, kKVB, QT>(dp, sV, cw * 64, cdO);
     wg_commit();
     turn_pass(false);
-    if (it >= 2) publish_dq();  // step it - 2's dQ, staged at the end of the previous step
+    if (it >= 2) reduce_dq(it - 2);  // staged at the end of the previous step
     wg_wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -578,11 +552,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     issue_dq(dq, sdS + b * kKVB * QT);
     wg_commit();
     turn_pass(true);
-    if (it >= 1) publish_dq();  // step it - 1's
+    if (it >= 1) reduce_dq(it - 1);
     wg_wait<0>();
     reg_fence(dq);
     store_dq(dq, it);
-    publish_dq();
+    reduce_dq(it);
   };
 
   mbar_wait(kv_full, 0);
@@ -592,6 +566,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     for (int it = 1; it < n_iter; ++it) step(std::true_type{}, it);
     last_dq(n_iter - 1);
   }
+  if (dq_issuer) bulk_wait0();  // the last reduces have read the staging tile and written dq_acc
 
   const long ks = (long)a.hkv * D;
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;

@@ -112,6 +112,15 @@ def run(n, seed):
     assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
     return steps
 
+class NBar:
+    """Named barrier (bar.sync) of `parties` agents, counted by generations."""
+    def __init__(s, parties): s.parties, s.n, s.gen = parties, 0, 0
+    def sync(s):
+        g = s.gen; s.n += 1
+        if s.n == s.parties: s.n = 0; s.gen += 1
+        while s.gen == g: yield
+
+
 class TurnBar:
     """Named barrier used for turns: the owner's agents bar.sync, the other warpgroup's agents
     bar.arrive; completes when all `parties` have arrived. An agent arriving twice in one
@@ -131,10 +140,10 @@ BWD_MUTATIONS = {   # mutation -> what the kernel would do wrong (each must make
     "no_ds_empty_wait": "dS^T: a consumer overwrites its half without waiting for the dQ MMAs of step i-2",
     "no_ds_full_wait": "dS^T: the dQ MMA of step i-1 is issued without waiting for the halves it reads",
     "td_ring_3": "the tile-descriptor ring has 3 slots (one per stage) although dQ lags one step",
-    "no_stg_empty_wait": "dQ staging: a consumer stores without waiting on stg_empty for the previous reduce's read",
-    "no_stg_full_wait": "dQ staging: the writer issues a reduce without waiting on stg_full for the stores",
-    "writer_early_empty": "dQ staging: the writer hands the tile back before its reduce has read it",
-    "no_final_wait": "dQ staging: the writer exits with a reduce still in flight",
+    "no_read_wait": "dQ staging: thread 0 never waits for the previous reduce's smem read",
+    "no_pre_staging_barrier": "dQ staging: the stores do not wait at barrier 6 + cw for thread 0's read wait",
+    "no_staging_barrier": "dQ staging: the reduce is issued without barrier 4 + cw after the stores",
+    "no_final_wait": "dQ staging: the CTA exits with a reduce still in flight",
     "last_turn_passes": "turns: consumer 1's last section passes the turn on (an arrival nobody consumes)",
 }
 
@@ -145,14 +154,12 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     h) with full / empty mbarriers, and dQ one step behind: step i's second MMA group holds dV, dK
     of step i and dQ of step i-1 (D = 128: both halves of buffer (i-1)&1; D = 64: its own half);
     the dQ of the last step is a group of its own. turns: the consumers take turns issuing their
-    MMA groups (named barriers 8 + cw). Each consumer warpgroup is two agents: "e" (thread 0) and "r"
-    (the other 127 threads); wgmma is warp-synchronous only, so each agent issues and waits for its
-    own part of every MMA. tma_dq: dQ goes through the consumer's staging tile and a TMA reduce
-    whose smem read and global write complete at random later times; the stores of step j's dQ end
-    step j + 1 (after waiting on stg_empty for step j - 1's read), the consumer arrives on stg_full
-    after its next MMA group (step j + 2's S/dP, or the last dQ), and the consumer's dQ writer
-    agent (a warp of the producer warpgroup) waits on stg_full, issues the reduce, waits for its
-    read and arrives on stg_empty. Checked: every MMA reads the stage and dS^T halves of its step,
+    MMA groups (named barriers 8 + cw). Each consumer warpgroup is two agents: "e" (thread 0: lane
+    0 of warp 0, which issues the dQ reduces) and "r" (the other 127 threads); wgmma is
+    warp-synchronous only, so each agent issues and waits for its own part of every MMA. tma_dq:
+    dQ goes through the consumer's staging tile and a TMA reduce whose smem read and global write
+    complete at random later times; the stores of step j's dQ end step j + 1, its reduce is issued
+    after the consumer's next MMA group (step j + 2's S/dP, or the last dQ). Checked: every MMA reads the stage and dS^T halves of its step,
     no TMA lands in a stage still read, no dS^T half is rewritten under a dQ MMA, descriptors are
     read before the producer reuses their slot, no store into the staging tile while a reduce
     reads it, each reduce reads one step's tile from both agents, turn barriers balanced, nothing
@@ -175,8 +182,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     stg_reads, stg_writes = [[], []], [[], []]
     tma, mma = [], {}
     turn = [TurnBar(4), TurnBar(4)]             # turn[w]: w's agents sync, the other's arrive
-    stg_full = [MBar(2), MBar(2)]               # consumer w's agents, after staging a step's dQ
-    stg_empty = [MBar(1), MBar(1)]              # its writer, once the reduce has read the tile
+    pre_bar = [NBar(2), NBar(2)]                # ids 6 + cw
+    stg_bar = [NBar(2), NBar(2)]                # ids 4 + cw
     exited = set()
 
     def producer():
@@ -203,41 +210,24 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     def store_dq(w, ag, j):
         assert td[j % ring] == j, f"WG{w}{ag} dQ of step {j} reads descriptor slot holding step {td[j % ring]}"
         if not tma_dq: return
-        if j >= 1 and mutation != "no_stg_empty_wait":
-            while not stg_empty[w].done((j - 1) & 1): yield
+        if ag == "e" and mutation != "no_read_wait":
+            while stg_reads[w]: yield   # cp.async.bulk.wait_group.read 0
+        if mutation != "no_pre_staging_barrier":
+            yield from pre_bar[w].sync()
         assert not stg_reads[w], f"WG{w}{ag} stores dQ of step {j} into the staging tile still read by the reduce of step {stg_reads[w]}"
         stg[w][ag] = j
         yield
 
-    def publish_dq(w, ag, j):
-        """The staged dQ of step j to the writer (fence, arrive on stg_full); the kernel defers
-        this until the consumer has issued its next MMA group."""
+    def reduce_dq(w, ag, j):
+        """The staged dQ of step j goes out (fence, barrier 4 + cw, thread 0's reduce); the kernel
+        defers this until the consumer has issued its next MMA group."""
         if not tma_dq: return
-        stg_full[w].arrive()
-        yield
-
-    def writer(w):
-        """Consumer w's dQ writer: the reduces of steps 0 .. n - 1 in order."""
-        for j in range(n):
-            if mutation != "no_stg_full_wait":
-                while not stg_full[w].done(j & 1): yield
-            assert td[j % ring] == j, f"writer {w} reduce of step {j} reads descriptor slot holding step {td[j % ring]}"
-            assert all(stg[w].get(a) == j for a in "er"), f"writer {w} reduce of step {j} reads a staging tile holding {stg[w]}"
+        assert td[j % ring] == j, f"WG{w}{ag} reduce of step {j} reads descriptor slot holding step {td[j % ring]}"
+        if mutation != "no_staging_barrier":
+            yield from stg_bar[w].sync()
+        if ag == "e":
+            assert all(stg[w].get(a) == j for a in "er"), f"WG{w} reduce of step {j} reads a staging tile holding {stg[w]}"
             stg_reads[w].append(j); stg_writes[w].append(j)
-            yield
-            if mutation != "writer_early_empty":
-                while stg_reads[w]: yield   # cp.async.bulk.wait_group.read 0
-            stg_empty[w].arrive()
-        if mutation != "no_final_wait":
-            while stg_reads[w] or stg_writes[w]: yield   # cp.async.bulk.wait_group 0
-        yield from exit_cta(("W", w))
-
-    def exit_cta(who):
-        exited.add(who)
-        if len(exited) == (6 if tma_dq else 4):   # the CTA's shared memory is released
-            assert not any(stg_reads) and not any(stg_writes), f"CTA exits with reduces in flight: reads {stg_reads}, writes {stg_writes}"
-        return
-        yield
 
     def wait_ds_full(w, j):
         if mutation == "no_ds_full_wait": return
@@ -262,7 +252,7 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
                 yield from take(w, me)
                 readers[st].add((me, i)); mma.setdefault(me, []).append(("st", st, i, None))
                 give(w, me, False)
-                if i >= 2: yield from publish_dq(w, ag, i - 2)   # staged at the end of step i - 1
+                if i >= 2: yield from reduce_dq(w, ag, i - 2)   # staged at the end of step i - 1
                 yield from mma_wait(me)
                 # group B: dV, dK first, then dS^T stores while they run, then dQ of step i - 1
                 yield from take(w, me)
@@ -289,18 +279,20 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
             issue_dq(w, me, j)
             mma[me].append(("ds", None, None, j))
             give(w, me, True)
-            if j >= 1: yield from publish_dq(w, ag, j - 1)
+            if j >= 1: yield from reduce_dq(w, ag, j - 1)
             yield from mma_wait(me)
             yield from store_dq(w, ag, j)
-            yield from publish_dq(w, ag, j)
-        yield from exit_cta(me)
+            yield from reduce_dq(w, ag, j)
+        if tma_dq and ag == "e" and mutation != "no_final_wait":
+            while stg_reads[w] or stg_writes[w]: yield   # cp.async.bulk.wait_group 0
+        exited.add(me)
+        if len(exited) == 4:   # the CTA's shared memory is released
+            assert not any(stg_reads) and not any(stg_writes), f"CTA exits with reduces in flight: reads {stg_reads}, writes {stg_writes}"
 
     agents = {"P": producer()}
     for w in (0, 1):
         for ag in "er":
             agents[f"C{w}{ag}"] = consumer(w, ag)
-        if tma_dq:
-            agents[f"W{w}"] = writer(w)
     live, steps = set(agents), 0
     while live or tma or any(mma.values()) or any(stg_reads) or any(stg_writes):
         steps += 1
