@@ -85,6 +85,11 @@ def test_the_attention_column_names_the_baselines_core_attention(tmp_path):
                path="--no-dualkv", baseline_of="missing")
     _write_run(d, "sdpa", [_record(1, 5.0, 0.1)], "stock GPTModel core attention: SdpaDotProductAttention\n",
                path="--no-dualkv", baseline_of="missing")
+    # another rank's warning written into the same log before the line's newline (seen in CI)
+    _write_run(d, "sdpa_interleaved", [_record(1, 5.0, 0.1)],
+               "stock GPTModel core attention: SdpaDotProductAttention/site-packages/megatron/core/tensor_parallel/"
+               "layers.py:1060: UserWarning: ...\n", path="--no-dualkv", baseline_of="missing")
     rows = {l.split(" | ")[0][2:]: l for l in render(d).splitlines() if " | 8b | " in l}  # the runs table
     assert "torch SDPA" in rows["sdpa"] and "unfused (DotProductAttention)" in rows["unfused"], rows
+    assert "torch SDPA (SdpaDotProductAttention)" in rows["sdpa_interleaved"], rows["sdpa_interleaved"]
     assert "| - |" in rows["sdpa"] and "10.0%" not in rows["sdpa"], rows["sdpa"]

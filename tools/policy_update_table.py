@@ -25,7 +25,9 @@ MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| al
                  r"max allocated: ([\d.]+)")
 BACKEND = re.compile(r"DualKV attention backend: (\S+) on \S+")
 IMPL = re.compile(r"^\s*transformer_impl \.+ (\S+)", re.M)
-STOCK_CORE = re.compile(r"stock GPTModel core attention: (\S+)")  # training/providers.log_stock_attention
+# training/providers.log_stock_attention; the class name only: another rank's warning can land in
+# the same log before this line's newline (seen: "...SdpaDotProductAttention/.../layers.py:1060: ...")
+STOCK_CORE = re.compile(r"stock GPTModel core attention: ([A-Za-z_]\w*)")
 ERROR = re.compile(r"(Error|error:|Exception|Killed|out of memory)")
 # the cause, before the launcher's own errors that follow it (NCCL reports an exhausted GPU as a failed calloc)
 CAUSE = re.compile(r"(out of memory|Failed to CUDA calloc|Killed)", re.I)
