@@ -98,9 +98,8 @@ def main() -> None:
         op_exec[op] += n
         op_samples[op] += s
     total_s, total_n = sum(samples.values()) or 1, sum(executed.values()) or 1
-    sources = {}
     print(f"{total_s:.0f} stall samples, {total_n:.3g} warp instructions executed\n")
-    print(" samples  executed  file:line                         top stall reasons")
+    print(" samples  executed  file:line  top stall reasons")
     for (f, ln), s in samples.most_common(args.top):
         top = ", ".join(f"{k} {v / s * 100:.0f}" for k, v in why[(f, ln)].most_common(3)) if s else ""
         print(f"{s / total_s * 100:7.1f}% {executed[(f, ln)] / total_n * 100:8.1f}%  {f}:{ln:<6} {top}")
