@@ -50,10 +50,12 @@
 // dQ into dq_acc by TMA reduce-add (kTmaDQ, default): each consumer owns one fp32 staging tile (64
 // query rows x 64 dQ columns, 16 KB, two 32-column halves of 64 rows x 128 B, 128-byte swizzled
 // like the tensor map's box). Thread 0 waits until the previous reduce has read the tile
-// (cp.async.bulk.wait_group.read 0), named barrier 6 + cw, every thread stores its fragment (rows
-// >= qend as zeros: the box covers 64 rows); after the consumer has issued its next MMA group
-// (so that the stores land meanwhile): fence.proxy.async, named barrier 4 + cw, then thread 0
-// issues two cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. The box starts
+// (cp.async.bulk.wait_group.read 0), named barrier 6 + cw (warp 0 arrives, warps 1-3 wait), every
+// thread stores its fragment (rows >= qend as zeros: the box covers 64 rows); after the consumer
+// has issued its next MMA group (so that the stores land meanwhile): fence.proxy.async, named
+// barrier 4 + cw (warps 1-3 arrive, warp 0 waits), then thread 0 issues two
+// cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. Each barrier blocks only the
+// side that needs the other (bar.arrive releases the arriving threads' prior stores). The box starts
 // at the tile's local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA. Before
 // exiting, thread 0 waits for the writes too (wait_group 0). MEGATRON_DUALKV_WS_DQ=atomic: float2
 // atomics from registers instead (slower, kept for A/B).
@@ -347,9 +349,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const int4 td = sTd[i % kTdRing];
     const int q0 = td.x, qend = td.y;
     if constexpr (kTmaDQ) {
-      // staging reuse: the previous reduce has read the tile before any thread stores into it
+      // staging reuse: the previous reduce has read the tile before any thread stores into it.
+      // Warp 0 (whose lane 0 waited) only arrives; warps 1-3 wait for it.
       if (dq_issuer) bulk_wait_read0();
-      named_sync(6 + cw, 128);
+      if (warp == 0)
+        named_arrive(6 + cw, 128);
+      else
+        named_sync(6 + cw, 128);
       float* stg = sStg + cw * QT * 64;
       if constexpr (kWide) {
         // dQ^T fragment (dQ column c = warp * 16 + (lane >> 2) (+ 8), query rows r) -> the same
@@ -414,8 +420,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       const int4 td = sTd[i % kTdRing];
       const int h = hk * group + i / per_head;
       float* stg = sStg + cw * QT * 64;
-      fence_proxy_async();      // the generic-proxy stores before the TMA (async proxy) reads them
-      named_sync(4 + cw, 128);  // the whole tile is stored
+      fence_proxy_async();  // the generic-proxy stores before the TMA (async proxy) reads them
+      // the whole tile is stored: only warp 0 (the issuer's) waits; warps 1-3 arrive (release:
+      // their fenced stores are visible to the issuer) and go on to their next instructions
+      if (warp == 0)
+        named_sync(4 + cw, 128);
+      else
+        named_arrive(4 + cw, 128);
       if (dq_issuer) {
         const int c0 = D == 128 ? cw * 64 : 0;
         tma_reduce_add(&tm_dq, smem_addr(stg), c0, h, td.z);  // local rows ql.. of dq_acc

@@ -112,22 +112,14 @@ def run(n, seed):
     assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
     return steps
 
-class NBar:
-    """Named barrier (bar.sync) of `parties` agents, counted by generations."""
-    def __init__(s, parties): s.parties, s.n, s.gen = parties, 0, 0
-    def sync(s):
-        g = s.gen; s.n += 1
-        if s.n == s.parties: s.n = 0; s.gen += 1
-        while s.gen == g: yield
 
-
-class TurnBar:
-    """Named barrier used for turns: the owner's agents bar.sync, the other warpgroup's agents
+class NamedBar:
+    """Named barrier with one-sided use (turns, dQ staging): some agents bar.sync, the others
     bar.arrive; completes when all `parties` have arrived. An agent arriving twice in one
     generation (which the hardware would silently count) is a protocol error."""
     def __init__(s, parties): s.parties, s.arrived, s.gen = parties, set(), 0
     def _arrive(s, who):
-        assert who not in s.arrived, f"{who} arrives twice on one turn barrier generation"
+        assert who not in s.arrived, f"{who} arrives twice in one named-barrier generation"
         s.arrived.add(who)
         if len(s.arrived) == s.parties: s.arrived = set(); s.gen += 1
     def arrive(s, who): s._arrive(who)
@@ -144,6 +136,8 @@ BWD_MUTATIONS = {   # mutation -> what the kernel would do wrong (each must make
     "no_pre_staging_barrier": "dQ staging: the stores do not wait at barrier 6 + cw for thread 0's read wait",
     "no_staging_barrier": "dQ staging: the reduce is issued without barrier 4 + cw after the stores",
     "no_final_wait": "dQ staging: the CTA exits with a reduce still in flight",
+    "pre_staging_r_arrives": "dQ staging: warps 1-3 only arrive at barrier 6 + cw (do not wait for warp 0's read wait)",
+    "staging_e_arrives": "dQ staging: warp 0 only arrives at barrier 4 + cw and issues the reduce before warps 1-3 stored",
     "last_turn_passes": "turns: consumer 1's last section passes the turn on (an arrival nobody consumes)",
 }
 
@@ -154,8 +148,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     h) with full / empty mbarriers, and dQ one step behind: step i's second MMA group holds dV, dK
     of step i and dQ of step i-1 (D = 128: both halves of buffer (i-1)&1; D = 64: its own half);
     the dQ of the last step is a group of its own. turns: the consumers take turns issuing their
-    MMA groups (named barriers 8 + cw). Each consumer warpgroup is two agents: "e" (thread 0: lane
-    0 of warp 0, which issues the dQ reduces) and "r" (the other 127 threads); wgmma is
+    MMA groups (named barriers 8 + cw). Each consumer warpgroup is two agents: "e" (warp 0, whose
+    lane 0 issues the dQ reduces) and "r" (warps 1-3); wgmma is
     warp-synchronous only, so each agent issues and waits for its own part of every MMA. tma_dq:
     dQ goes through the consumer's staging tile and a TMA reduce whose smem read and global write
     complete at random later times; the stores of step j's dQ end step j + 1, its reduce is issued
@@ -181,9 +175,12 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     stg = [{}, {}]
     stg_reads, stg_writes = [[], []], [[], []]
     tma, mma = [], {}
-    turn = [TurnBar(4), TurnBar(4)]             # turn[w]: w's agents sync, the other's arrive
-    pre_bar = [NBar(2), NBar(2)]                # ids 6 + cw
-    stg_bar = [NBar(2), NBar(2)]                # ids 4 + cw
+    turn = [NamedBar(4), NamedBar(4)]             # turn[w]: w's agents sync, the other's arrive
+    # ids 6 + cw ("e" arrives after its read wait, "r" waits) and 4 + cw ("r" arrives after its
+    # stores, "e" waits, then issues the reduce): one-sided, so an agent arriving twice in one
+    # generation (which the hardware would count) fails like on the turn barriers
+    pre_bar = [NamedBar(2), NamedBar(2)]
+    stg_bar = [NamedBar(2), NamedBar(2)]
     exited = set()
 
     def producer():
@@ -213,7 +210,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
         if ag == "e" and mutation != "no_read_wait":
             while stg_reads[w]: yield   # cp.async.bulk.wait_group.read 0
         if mutation != "no_pre_staging_barrier":
-            yield from pre_bar[w].sync()
+            if ag == "e" or mutation == "pre_staging_r_arrives": pre_bar[w].arrive(ag)
+            else: yield from pre_bar[w].sync(ag)
         assert not stg_reads[w], f"WG{w}{ag} stores dQ of step {j} into the staging tile still read by the reduce of step {stg_reads[w]}"
         stg[w][ag] = j
         yield
@@ -224,7 +222,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
         if not tma_dq: return
         assert td[j % ring] == j, f"WG{w}{ag} reduce of step {j} reads descriptor slot holding step {td[j % ring]}"
         if mutation != "no_staging_barrier":
-            yield from stg_bar[w].sync()
+            if ag == "r" or mutation == "staging_e_arrives": stg_bar[w].arrive(ag)
+            else: yield from stg_bar[w].sync(ag)
         if ag == "e":
             assert all(stg[w].get(a) == j for a in "er"), f"WG{w} reduce of step {j} reads a staging tile holding {stg[w]}"
             stg_reads[w].append(j); stg_writes[w].append(j)
@@ -324,8 +323,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
         a_ = rnd.choice(sorted(live))
         try: next(agents[a_])
         except StopIteration: live.discard(a_)
-    for t in turn:
-        assert not t.arrived, f"turn barrier left with arrivals {t.arrived}"
+    for t in turn + pre_bar + stg_bar:
+        assert not t.arrived, f"named barrier left with arrivals {t.arrived}"
     return steps
 
 
