@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <math.h>
 
+#include <algorithm>
+
 #include "dualkv_kernels.h"
 #include "device_common.h"
 #include "work_items.h"
@@ -437,6 +439,34 @@ static cudaError_t delta_t(const DeltaArgs& da, cudaStream_t stream) {
   const int threads = 256;
   const long blocks = (warps * 32 + threads - 1) / threads;
   if (blocks > 0) delta_kernel<T, D><<<(unsigned)blocks, threads, 0, stream>>>(da);
+  return cudaGetLastError();
+}
+
+// One pass instead of dq_acc.mul_(scale) then dq.copy_(dq_acc): 1.5 x the bytes of the workspace
+// instead of 3.5 x, the same rounding (fp32 product, then round to nearest even).
+template <typename T>
+__global__ void dq_from_acc_kernel(const float4* __restrict__ acc, uint2* __restrict__ dq, long n4, float scale) {
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long)gridDim.x * blockDim.x) {
+    const float4 v = acc[i];
+    dq[i] = make_uint2(pack2<T>(v.x * scale, v.y * scale), pack2<T>(v.z * scale, v.w * scale));
+  }
+}
+
+cudaError_t launch_dq_from_acc(const float* dq_acc, void* dq, long n, float scale, int dtype, cudaStream_t stream) {
+  const long n4 = n / 4;
+  if (n4 == 0) return cudaSuccess;
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const unsigned blocks = (unsigned)std::min<long>((n4 + 255) / 256, (long)sms * 8);
+  const auto* a4 = reinterpret_cast<const float4*>(dq_acc);
+  auto* o2 = reinterpret_cast<uint2*>(dq);
+  if (dtype == kBF16)
+    dq_from_acc_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(a4, o2, n4, scale);
+  else if (dtype == kFP16)
+    dq_from_acc_kernel<__half><<<blocks, 256, 0, stream>>>(a4, o2, n4, scale);
+  else
+    return cudaErrorInvalidValue;
   return cudaGetLastError();
 }
 

@@ -64,6 +64,9 @@ cudaError_t launch_fwd(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
 cudaError_t launch_fwd_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream, int variant = 0);
 // delta = rowsum(dO * O) - dlse
 cudaError_t launch_delta(const DeltaArgs& da, int dtype, int d, cudaStream_t stream);
+// dq = T(dq_acc * scale), n elements (a multiple of 4, both pointers 16-byte aligned): the fp32
+// dQ workspace of the fast backwards scaled and rounded in one pass
+cudaError_t launch_dq_from_acc(const float* dq_acc, void* dq, long n, float scale, int dtype, cudaStream_t stream);
 // Hopper backward (wgmma; row items of 128-row query tiles, kv items of 128-row key tiles)
 // ka.dq_acc != nullptr: dQ accumulated by the dK/dV kernel with fp32 atomics (no dQ kernel;
 // the caller converts dq_acc), else the deterministic dQ kernel runs.

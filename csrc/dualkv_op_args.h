@@ -6,6 +6,7 @@
 // Rows: q, dout, out, lse, delta and dq_acc hold Tq = q.size(0) rows, k and v T = k.size(0) rows.
 #pragma once
 
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 
 #include <cmath>
@@ -165,6 +166,16 @@ inline DkvArgs dkv_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
 inline void check_launch(cudaError_t err, const char* op, bool tma) {
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv ", op, " launch failed: ", cudaGetErrorString(err),
               tma && err == cudaErrorInvalidResourceHandle ? " (TMA tensor map could not be encoded)" : "");
+}
+
+// dq = dq_acc * scale in q's dtype (fast modes: dQ accumulated in the fp32 workspace, unscaled),
+// one kernel instead of mul_ and copy_
+inline void finish_dq(const at::Tensor& dq_acc, at::Tensor& dq, double scale) {
+  TORCH_CHECK(dq_acc.is_contiguous() && dq.is_contiguous() && dq_acc.numel() == dq.numel() && dq.numel() % 4 == 0,
+              "megatron_dualkv: finish_dq needs contiguous dq and dq_acc of the same size (a multiple of 4)");
+  check_launch(launch_dq_from_acc(dq_acc.data_ptr<float>(), dq.data_ptr(), dq.numel(), static_cast<float>(scale),
+                                  dtype_code(dq), at::cuda::getCurrentCUDAStream()),
+               "dq_from_acc", false);
 }
 
 // Every forward op's and every backward op's schema, after its name

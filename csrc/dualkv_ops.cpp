@@ -93,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout_i
   auto err = sm90 ? mdkv::launch_bwd_sm90(da, qa, ka, dtype_code(q), d, stream)
                   : mdkv::launch_bwd(da, qa, ka, dtype_code(q), d, stream);
   check_launch(err, sm90 ? "bwd_sm90" : "bwd", false);
-  if (dq_acc.defined()) dq.copy_(dq_acc.mul_(static_cast<float>(scale)));
+  if (dq_acc.defined()) finish_dq(dq_acc, dq, scale);
   return {dq, dk, dv};
 }
 

@@ -74,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   const mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
   auto err = mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), at::cuda::getCurrentCUDAStream());
   check_launch(err, "bwd_ws_sm90", true);
-  dq.copy_(dq_acc.mul_(scale));
+  finish_dq(dq_acc, dq, scale);
   return {dq, dk, dv};
 }
 
