@@ -19,10 +19,11 @@
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
 // ranges are the key tile's own segment (masked by qrow >= krow), the others its children.
 //   warpgroup 0, producer (setmaxnreg 24): one warp. Lane 0 loads K and V once and, per step,
-//     the Q and dO tiles with TMA into a 3-stage ring and writes the step's tile descriptor
-//     (q0, qend, local row, causal) into a ring of 8; the 32 lanes load the step's lse (stored as
-//     -lse * log2 e) and delta values with plain loads into shared memory and arrive on the stage's mbarrier
-//     (release semantics order their st.shared before the arrival).
+//     the Q and dO tiles with TMA into a ring of kStagesB stages (3; 2 with wide steps) and
+//     writes the step's tile descriptor (q0, qend, local row, causal) into a ring of 8; the 32
+//     lanes load the step's lse (stored as -lse * log2 e) and delta values with plain loads into
+//     shared memory and arrive on the stage's mbarrier (release semantics order their st.shared
+//     before the arrival).
 //   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
 //     Step i: group A = S^T = K Q^T, dP^T = V dO^T (wgmma); P^T and dS^T in registers; group B =
 //     dV += P^T dO, dK += dS^T Q (register A), issued first, then (while they run) dS^T into this
@@ -35,7 +36,7 @@
 //     on): the consumers issue their MMA groups alternately (named barriers 8 + cw), so one's
 //     softmax and dQ stores run under the other's MMAs.
 //
-// mbarrier phases (query step i lives in stage i % 3, u = i / 3):
+// mbarrier phases (query step i lives in stage i % kStagesB, u = i / kStagesB):
 //   kv_full: 1 arrival + the K/V bytes, parity 0.
 //   q_full[s]: 33 arrivals (lane 0's arrive.expect_tx + the 32 lanes after their lse/delta
 //     stores) + the Q/dO bytes; consumers wait for parity u & 1.
@@ -47,11 +48,11 @@
 //     MMA completed; consumer h waits for the use (i - 2) >> 1 before writing buffer i & 1.
 // csrc/ws_pipeline_model.py replays this protocol under random interleavings.
 //
-// dQ into dq_acc by TMA reduce-add (kTmaDQ, default): each consumer owns one fp32 staging tile (64
-// query rows x 64 dQ columns, 16 KB, two 32-column halves of 64 rows x 128 B, 128-byte swizzled
+// dQ into dq_acc by TMA reduce-add (kTmaDQ, default): each consumer owns one fp32 staging tile (QT
+// query rows x 64 dQ columns, 16 or 20 KB, two 32-column halves of QT rows x 128 B, 128-byte swizzled
 // like the tensor map's box). Thread 0 waits until the previous reduce has read the tile
 // (cp.async.bulk.wait_group.read 0), named barrier 6 + cw (warp 0 arrives, warps 1-3 wait), every
-// thread stores its fragment (rows >= qend as zeros: the box covers 64 rows); after the consumer
+// thread stores its fragment (rows >= qend as zeros: the box covers QT rows); after the consumer
 // has issued its next MMA group (so that the stores land meanwhile): fence.proxy.async, named
 // barrier 4 + cw (warps 1-3 arrive, warp 0 waits), then thread 0 issues two
 // cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. Each barrier blocks only the
