@@ -14,7 +14,9 @@
 #                                                 # e.g. `git archive REV megatron_dualkv tools`)
 #                                                 # ($AB_ENV: extra env per name, e.g.
 #                                                 # "new:MEGATRON_DUALKV_WS_DQ=tma"; $AB_ARGS: more
-#                                                 # bench_kernel.py arguments, e.g. --fwd-only)
+#                                                 # bench_kernel.py arguments, e.g. --fwd-only);
+#                                                 # each table ends with the mean SM clock and power
+#                                                 # while it ran (tools/smi_summary.py)
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,8 +64,14 @@ if [ "$1" = ab ]; then
       name=${spec%%=*}; lib=${spec#*=}; src=$PWD
       case $lib in *@*) src=$PWD/${lib#*@}; lib=${lib%@*};; esac
       extra=$(for e in $AB_ENV; do [ "${e%%:*}" = "$name" ] && echo "${e#*:}"; done)
+      # SM clock and power beside the times: at the power cap two builds also differ by clock
+      nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,noheader,nounits -lms 50 > "/tmp/smi_${name}_${pass}.csv" 2>/dev/null &
+      smi=$!
       TAIL=16 step "bench_${name}_${pass}" 200 env MEGATRON_DUALKV_CUDA_LIB="$PWD/$lib" PYTHONPATH="$src:/tmp/site" $extra \
         python3 "$src/tools/bench_kernel.py" --backends cuda --reps ${AB_REPS:-5} --warmup 2 $AB_ARGS --out "$OUT/bench_${name}_${pass}.md"
+      kill $smi 2>/dev/null; wait $smi 2>/dev/null
+      python3 tools/smi_summary.py "/tmp/smi_${name}_${pass}.csv" | tee -a "$OUT/bench_${name}_${pass}.md"
     done
     [ -n "$AB_ONE_PASS" ] && break
   done
