@@ -1,21 +1,28 @@
 """L2 reuse model of the ws backward's schedule (no GPU needed): which (query head, 64-row query
 tile) each resident CTA touches per step, replayed through an LRU cache.
 
-    python csrc/ws_l2_model.py 16 32768 2048        (about 2 minutes: 8 schedules x 3 caches)
+    python csrc/ws_l2_model.py 16 32768 2048        (about 3 minutes: 10 schedules x 3 caches)
 
 The work lists are cuda_backend.ws_kv_work's; 132 CTAs are resident (one per SM), a new one
 starts, in block order, where one ends; every step touches one 64 KB object (the Q and dO tiles,
 32 KB, and the fp32 dQ rows the step reduce-adds into, 32 KB). Each CTA steps at its own speed
 (1 +- jitter), since CTAs do not stay in lockstep on the GPU. Printed: the miss rate for each
-block order (item-major: all kv heads of a key tile together, the order before 2026-11-22;
-kv-head-major: the default since) x range order (own causal rows first / children first) x walk
-(heads outer / heads inner), for a 50 MB and a 25 MB cache.
+schedule, for a 25 MB cache (jitter 0.05), a 35 MB one and a 25 MB one with jitter 0.15:
+- one CTA per (key tile, kv head) walking the group's query heads (the kernel): block order
+  item-major (all kv heads of a key tile together, before 2026-11-22) or kv-head-major (the
+  default since) x range order (own causal rows first / children first) x walk (heads outer /
+  heads inner);
+- one CTA per (key tile, query head) (flash-attn-4's backward grid): key tiles heaviest first
+  or in row order, query-head-major.
 
 What it is good for: ranking schedules, not absolute numbers. It predicted the kv-head-major
 order's gain (25 MB, jitter 0.05: 90 % -> 24 % misses); measured with ncu on the H100, (16, 32768,
 2048): DRAM traffic 388 -> 113 GB, L2 hit rate of the loads 56 -> 77 %, of the reduces 81 -> 90 %
 (docs/PERF.md "Third GPU session of 2026-11-22"). The H100's L2 behaves like a cache of 25-30 MB
 for this stream (it is two partitions), which is where the item-major order fell off its cliff.
+One query head per CTA: 33 % -> 4 % misses on (28, 16384, 2048) in the model; an ablation of the
+kernel with that grid measured DRAM 43 -> 27 GB and L2 hit 89.6 -> 93.5 % (docs/PERF.md,
+"Eleventh session").
 """
 import collections
 import heapq
@@ -36,23 +43,34 @@ def query_tiles(item, ranges, kids_first):
     return [loc + TILE * i for a, b, loc, _ in rs for i in range((b - a + TILE - 1) // TILE)]
 
 
-def cta_walk(tiles, hk, group, heads_inner):
+def cta_walk(tiles, heads, heads_inner):
     if heads_inner:
-        return ((hk * group + hh, x) for x in tiles for hh in range(group))
-    return ((hk * group + hh, x) for hh in range(group) for x in tiles)
+        return ((h, x) for x in tiles for h in heads)
+    return ((h, x) for h in heads for x in tiles)
 
 
-def miss_rate(items, ranges, hkv, group, order, kids_first, heads_inner, cache_mb, jitter, sms=132, seed=0):
+def kernel_blocks(n_items, hkv, group, order):
+    """(item, query heads) per block of the kernel's grid: one CTA per key tile and kv head."""
+    pairs = ([(b // hkv, b % hkv) for b in range(n_items * hkv)] if order == "item"
+             else [(b % n_items, b // n_items) for b in range(n_items * hkv)])
+    return [(it, tuple(range(hk * group, (hk + 1) * group))) for it, hk in pairs]
+
+
+def head_blocks(items, hq, row_order):
+    """One CTA per key tile and query head, query-head-major; key tiles heaviest first or by row."""
+    idx = sorted(range(len(items)), key=lambda i: items[i][0]) if row_order else range(len(items))
+    return [(it, (h,)) for h in range(hq) for it in idx]
+
+
+def miss_rate(items, ranges, blocks, kids_first, heads_inner, cache_mb, jitter, sms=132, seed=0):
     rnd = random.Random(seed)
-    ni = len(items)
-    blocks = [(b // hkv, b % hkv) if order == "item" else (b % ni, b // ni) for b in range(ni * hkv)]
     cap = int(cache_mb * 1024 / 64)
     lru, misses, touches = collections.OrderedDict(), 0, 0
     heap, nxt, tie = [], 0, itertools.count()
 
     def start(b, t):
-        it, hk = blocks[b]
-        walk = cta_walk(query_tiles(items[it], ranges, kids_first), hk, group, heads_inner)
+        it, heads = blocks[b]
+        walk = cta_walk(query_tiles(items[it], ranges, kids_first), heads, heads_inner)
         heapq.heappush(heap, (t, next(tie), walk, 1.0 + rnd.uniform(-jitter, jitter)))
 
     while nxt < min(sms, len(blocks)):
@@ -81,14 +99,20 @@ def miss_rate(items, ranges, hkv, group, order, kids_first, heads_inner, cache_m
 def main() -> None:
     n, p, r = (int(x) for x in sys.argv[1:4])
     hq, hkv = 32, 8
+    group = hq // hkv
     items, ranges = ws_kv_work(SegmentTable.from_group_lengths([(p, [r] * n)]))
+    schedules = [(f"{order}-major", kernel_blocks(len(items), hkv, group, order), kids_first, heads_inner)
+                 for order, kids_first, heads_inner in itertools.product(("item", "kv-head"), (False, True), (False, True))]
+    schedules += [(f"1 query head per CTA, {'row order' if row else 'heaviest first'}",
+                   head_blocks(items, hq, row), False, False) for row in (False, True)]
     print(f"(N, P, R) = ({n}, {p}, {r}), Hq = {hq}, Hkv = {hkv}: miss rate of the (Q/dO + dQ) tiles")
-    print("| block order | ranges | heads | 50 MB | 25 MB | 25 MB, jitter 0.05 |")
+    print("| grid / block order | ranges | heads | 25 MB | 35 MB | 25 MB, jitter 0.15 |")
     print("|---|---|---|---|---|---|")
-    for order, kids_first, heads_inner in itertools.product(("item", "kv-head"), (False, True), (False, True)):
-        rates = [miss_rate(items, ranges, hkv, hq // hkv, order, kids_first, heads_inner, mb, jit)
-                 for mb, jit in ((50, 0.0), (25, 0.0), (25, 0.05))]
-        print(f"| {order} | {'children first' if kids_first else 'own first'} | {'inner' if heads_inner else 'outer'} | "
+    for name, blocks, kids_first, heads_inner in schedules:
+        rates = [miss_rate(items, ranges, blocks, kids_first, heads_inner, mb, jit)
+                 for mb, jit in ((25, 0.05), (35, 0.05), (25, 0.15))]
+        walk = "-" if len(blocks[0][1]) == 1 else ("inner" if heads_inner else "outer")
+        print(f"| {name} | {'children first' if kids_first else 'own first'} | {walk} | "
               + " | ".join(f"{100 * x:.1f} %" for x in rates) + " |", flush=True)
 
 

@@ -80,3 +80,45 @@ def test_eager_flex_matches_reference(hq, hkv):
 def test_unavailable_on_cpu_says_why():
     ok, why = flex_backend.is_available(torch.empty(4, 2, 64))
     assert not ok and "CUDA" in why
+
+
+@pytest.fixture
+def hopper_with_flash(monkeypatch):
+    """A Hopper GPU with flash-attn-4 installed, as far as the kernel choice can tell."""
+    monkeypatch.setattr(flex_backend, "flash_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("MEGATRON_DUALKV_FLEX_KERNEL", raising=False)
+
+
+def test_default_kernel_is_flash_only_where_flash_attn_4_runs(hopper_with_flash, monkeypatch):
+    dev = torch.device("cuda", 0)
+    assert flex_backend.default_kernel(dev, torch.bfloat16) == "FLASH"
+    assert flex_backend.default_kernel(dev, torch.float16) == "FLASH"
+    # flash-attn-4 rejects float32 inside its kernel launch: Triton takes it
+    assert flex_backend.default_kernel(dev, torch.float32) == "TRITON"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert flex_backend.default_kernel(dev, torch.bfloat16) == "TRITON"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flex_backend, "flash_installed", lambda: False)
+    assert flex_backend.default_kernel(dev, torch.bfloat16) == "TRITON"
+
+
+def test_forced_kernel(hopper_with_flash, monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setenv("MEGATRON_DUALKV_FLEX_KERNEL", "TRITON")
+    assert flex_backend.default_kernel(dev, torch.bfloat16) == "TRITON"
+    monkeypatch.setenv("MEGATRON_DUALKV_FLEX_KERNEL", "flash")
+    with pytest.raises(ValueError, match="must be TRITON or FLASH"):
+        flex_backend.default_kernel(dev, torch.bfloat16)
+
+
+def test_flash_on_float32_is_a_clear_error(hopper_with_flash, monkeypatch):
+    seg = SegmentTable.from_group_lengths([(5, [3])])
+    q, k, v = torch.randn(8, 2, 16), torch.randn(8, 1, 16), torch.randn(8, 1, 16)
+    with pytest.raises(ValueError, match="FLASH kernel requested.*bf16 or fp16, not torch.float32"):
+        flex_backend.attention(q, k, v, seg, 0.25, kernel="FLASH")
+    monkeypatch.setenv("MEGATRON_DUALKV_FLEX_KERNEL", "FLASH")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        flex_backend.attention(q, k, v, seg, 0.25)
+    with pytest.raises(ValueError, match="kernel must be"):
+        flex_backend.attention(q, k, v, seg, 0.25, kernel="CUTE")

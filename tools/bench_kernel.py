@@ -14,6 +14,7 @@ Backends:
   flex-flash   the same with the FLASH kernels (needs flash-attn-4)
   flex-static  FlexAttention, Triton, compiled with static shapes for each length (how
                FlexAttention is usually benchmarked; recompiles per shape) - not run by default
+  flex-flash-static  the same with the FLASH kernels - not run by default
   sdpa-flash   the REPLICATED batch (N sequences of P+R, causal) through SDPA's flash kernel
   sdpa-cudnn   the same through SDPA's cuDNN kernel
 Replicated rows also give raw TFLOP/s (all replicated work). A replicated batch that does not
@@ -54,8 +55,9 @@ PUBLISHED_NP = [(28, 4096), (28, 16384), (16, 32768), (28, 32768), (16, 65536)]
 ALL_SHAPES = [(n, p, r) for r in (2048, 1024) for n, p in PUBLISHED_NP]
 QUICK_SHAPES = [(28, 4096, 2048), (28, 32768, 2048), (16, 65536, 2048)]
 DEFAULT_BACKENDS = ["cuda", "flex-triton", "flex-flash", "sdpa-flash", "sdpa-cudnn"]
-ALL_BACKENDS = DEFAULT_BACKENDS + ["flex-static"]
+ALL_BACKENDS = DEFAULT_BACKENDS + ["flex-static", "flex-flash-static"]
 GIB = 2 ** 30
+SHOW_RUNS = False  # --show-runs: print every timed run's forward / backward ms
 
 
 class Skip(Exception):
@@ -92,6 +94,10 @@ def time_fwd_bwd(fwd, inputs, dout, warmup, reps, fwd_only=False):
         del out, grads
         marks.append(e)
     torch.cuda.synchronize()
+    if SHOW_RUNS:
+        print("    runs fwd ms:", " ".join(f"{a.elapsed_time(b):.2f}" for a, b, _ in marks), flush=True)
+        if not fwd_only:
+            print("    runs bwd ms:", " ".join(f"{b.elapsed_time(c):.2f}" for _, b, c in marks), flush=True)
     f = statistics.median(a.elapsed_time(b) for a, b, _ in marks)
     if fwd_only:
         return f, None, None, torch.cuda.max_memory_allocated() / GIB
@@ -117,6 +123,13 @@ def _flex_static_entry(q, k, v, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def _flex_flash_static_entry(q, k, v, block_mask, scale):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                          kernel_options={"BACKEND": "FLASH"})
 
 
 def run_packed(name, shape, warmup, reps, state, fwd_only=False):
@@ -158,12 +171,15 @@ def run_packed(name, shape, warmup, reps, state, fwd_only=False):
         torch.cuda.synchronize()
         notes.append(f"mask {1e3 * (time.perf_counter() - t0):.0f} ms")
         fwd = lambda: flex_backend.attention(q, k, v, seg, scale, kernel=kernel)  # noqa: E731
-    elif name == "flex-static":
+    elif name in ("flex-static", "flex-flash-static"):
         from megatron_dualkv.ops import flex_backend
 
+        if name == "flex-flash-static" and not flex_backend.flash_installed():
+            raise Skip("flash-attn-4 (flash_attn.cute) not installed")
         # a static compile for this length, as per-shape benchmarks do; its own code object, so
         # it neither shares the 8-entry recompile limit nor disturbs the dynamic backend's cache
-        code = _flex_static_entry.__code__.replace(co_name=f"_flex_static_{t}")
+        entry = _flex_flash_static_entry if name == "flex-flash-static" else _flex_static_entry
+        code = entry.__code__.replace(co_name=f"_{name.replace('-', '_')}_{t}")
         static = torch.compile(types.FunctionType(code, globals()), dynamic=False)
         padded, mask = flex_backend.cached_block_mask(seg)
         if padded.num_tokens != t:
@@ -317,10 +333,13 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
     ap.add_argument("--out", help="also write the markdown table (with device, versions, command) here")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only (packed backends)")
+    ap.add_argument("--show-runs", action="store_true", help="print every timed run's forward and backward ms")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
+    global SHOW_RUNS
+    SHOW_RUNS = args.show_runs
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernel.py needs a CUDA GPU")

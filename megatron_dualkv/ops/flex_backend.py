@@ -22,8 +22,9 @@ so mixing configurations never eats into another one's recompile limit. A micro-
 block (T <= 128) specialises once more (dynamo's 0/1 rule on the block count).
 
 Kernel backend. FLASH (flash-attn-4's CuTe DSL kernels, `kernel_options={"BACKEND": "FLASH"}`)
-when `flash_attn.cute` is importable on a Hopper-or-newer GPU, TRITON otherwise;
-MEGATRON_DUALKV_FLEX_KERNEL=TRITON|FLASH forces one.
+when `flash_attn.cute` is importable on a Hopper-or-newer GPU and the inputs are bf16 or fp16
+(flash-attn-4 takes no float32), TRITON otherwise; MEGATRON_DUALKV_FLEX_KERNEL=TRITON|FLASH
+forces one (FLASH where it cannot run is an error naming why).
 
 Local queries (context parallelism, `q_rows`): q holds some packed rows (int64 global indices),
 k and v all of them. The block mask is then built for query blocks of those rows against all key
@@ -56,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - depends on the torch build
 BLOCK = 128  # sparse block size (query and key); the compiled input is shaped in these blocks
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # flash-attn-4's kernels: no float32
 _KERNEL_ENV = "MEGATRON_DUALKV_FLEX_KERNEL"
 
 
@@ -73,15 +75,25 @@ def flash_installed() -> bool:
         return False
 
 
-def default_kernel(device: torch.device) -> str:
+def flash_problem(device: torch.device, dtype: torch.dtype) -> str:
+    """Why the FLASH kernels cannot run these inputs ("" when they can)."""
+    if not flash_installed():
+        return "flash-attn-4 (flash_attn.cute) is not installed"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "the FLASH kernels need a Hopper-or-newer GPU (compute capability >= 9.0)"
+    if dtype not in FLASH_DTYPES:
+        return f"the FLASH kernels take bf16 or fp16, not {dtype}"
+    return ""
+
+
+def default_kernel(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """FLASH where it can run these inputs, else TRITON; $MEGATRON_DUALKV_FLEX_KERNEL forces one."""
     forced = os.environ.get(_KERNEL_ENV)
     if forced:
         if forced not in ("TRITON", "FLASH"):
             raise ValueError(f"{_KERNEL_ENV} must be TRITON or FLASH, got {forced!r}")
         return forced
-    if flash_installed() and torch.cuda.get_device_capability(device) >= (9, 0):
-        return "FLASH"
-    return "TRITON"
+    return "TRITON" if flash_problem(device, dtype) else "FLASH"
 
 
 def is_available(q: Tensor) -> tuple[bool, str]:
@@ -325,7 +337,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_s
               kernel: Optional[str] = None, compiled: bool = True, q_rows: Optional[Tensor] = None) -> Tensor:
     """DualKV attention of packed THD tensors: out [T, Hq, D]; differentiable.
 
-    kernel: "TRITON" or "FLASH" (default: FLASH when flash-attn-4 is installed, else TRITON).
+    kernel: "TRITON" or "FLASH" (default: `default_kernel`, FLASH where flash-attn-4 can run the inputs).
     compiled=False runs flex_attention eagerly (unfused, dense scores: small tests only, any device).
     q_rows: int64 [Tq], packed rows of the queries when q [Tq, Hq, D] holds only some of them
     (local queries against all T keys); out is then [Tq, Hq, D].
@@ -353,7 +365,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_s
     if not compiled:
         out = _flex_padded(qp, kp, vp, block_mask, scale, gqa, None)
     else:
-        kernel = kernel or default_kernel(q.device)
+        kernel = kernel or default_kernel(q.device, q.dtype)
+        if kernel not in ("TRITON", "FLASH"):
+            raise ValueError(f"kernel must be 'TRITON' or 'FLASH', got {kernel!r}")
+        problem = flash_problem(q.device, q.dtype) if kernel == "FLASH" else ""
+        if problem:
+            raise ValueError(f"FlexAttention FLASH kernel requested ({_KERNEL_ENV} or kernel=): {problem}")
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         key = (q.device.index, q.dtype, d, hq, hkv, scale, kernel, grad) + (("local",) if q_rows is not None else ())
         # Duck shaping would give equal sizes one symbol (e.g. 32 blocks and 32 heads), and the
