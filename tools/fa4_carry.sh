@@ -5,7 +5,8 @@
 #   here:    bash tools/fa4_carry.sh pack        -> .gpu/fa4a/site.part0 (50 MB), .gpu/fa4b/site.part1
 #   call 1:  carry [".gpu/fa4a"]:  bash tools/fa4_carry.sh stage
 #   call 2:  carry [".gpu/fa4b", ...], at once:  bash tools/fa4_carry.sh unpack && export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-# Versions: flash-attn-4 4.0.0b36 with nvidia-cutlass-dsl 4.8.1 (cu13 libs) ran with torch 2.11.0+cu130.
+# The versions pinned below ran with torch 2.11.0+cu130 on the H100 (einops, cuda-bindings and
+# protobuf, also needed, are in the machine's image).
 set -euo pipefail
 FA4=${FA4_VERSION:-4.0.0b36} DSL=${DSL_VERSION:-4.8.1}
 case ${1:-} in
@@ -16,7 +17,7 @@ case ${1:-} in
     # nvidia-cutlass-dsl >= 4.4 is a metadata shim: the DSL itself is in the libs-core/base/cu13 wheels
     python3 -m pip download -q --no-deps $plat -d "$tmp/w" flash-attn-4==$FA4 nvidia-cutlass-dsl==$DSL \
       nvidia-cutlass-dsl-libs-core==$DSL nvidia-cutlass-dsl-libs-base==$DSL nvidia-cutlass-dsl-libs-cu13==$DSL \
-      "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext "quack-kernels>=0.5.3"
+      apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5
     python3 -m pip install -q --no-deps --no-compile $plat --target "$tmp/site" "$tmp"/w/*.whl
     rm -rf "$tmp/site/bin"
     mkdir -p .gpu/fa4a .gpu/fa4b
