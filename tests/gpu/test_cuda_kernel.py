@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from local_query_rows import cp_like_rows  # tests/ (the root conftest's directory) is on sys.path
 from megatron_dualkv.layout import SegmentTable
 
 cuda_backend = pytest.importorskip("megatron_dualkv.ops.cuda_backend")
@@ -283,14 +284,6 @@ def test_wsbwd_dq_matches_sm90(d):
     assert rel(ws[2], ref[2]) < 1e-2 and not bad_rows, (
         f"dq: rel {rel(ws[2], ref[2]):.3e} vs sm90, rows off: {bad_rows[:20]} ({len(bad_rows)} in all)")
     assert e_ws <= e_ref * SLACK + 1e-7, f"dq error vs float64 {e_ws:.3e} exceeds sm90's {e_ref:.3e}"
-
-
-def cp_like_rows(t, seed):
-    """The rows a context-parallel rank might hold: 3 of 7 runs of [0, t), cut at odd rows."""
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, t), 6))
-    runs = list(zip([0] + cuts, cuts + [t]))
-    return torch.cat([torch.arange(a, b) for a, b in sorted(rng.sample(runs, 3))]).to("cuda")
 
 
 @gpu

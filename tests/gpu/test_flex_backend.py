@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from local_query_rows import cp_like_rows  # tests/ (the root conftest's directory) is on sys.path
 from megatron_dualkv.layout import SegmentTable
 from megatron_dualkv.ops import flex_backend
 from megatron_dualkv.ops.reference import reference_attention
@@ -185,10 +186,7 @@ def test_local_queries_match_float64_like_the_full_batch(kernel):
             pytest.skip(problem)
     seg = make_segments([(300, [1, 40, 129]), (77, [200, 3])], pad=5)
     t, hq, hkv, d, scale = seg.num_tokens, 8, 2, 128, 0.1
-    rng = random.Random(23)
-    cuts = sorted(rng.sample(range(1, t), 6))
-    runs = list(zip([0] + cuts, cuts + [t]))
-    rows = torch.cat([torch.arange(a, b) for a, b in sorted(rng.sample(runs, 3))]).to("cuda")
+    rows = cp_like_rows(t, seed=23)
     q, k, v = (torch.randn(t, h, d, device="cuda").to(torch.bfloat16).requires_grad_() for h in (hq, hkv, hkv))
     dout = torch.zeros(t, hq, d, device="cuda", dtype=torch.bfloat16)
     dout[rows] = torch.randn(len(rows), hq, d, device="cuda").to(torch.bfloat16)
