@@ -4,12 +4,13 @@
 //
 //   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale) -> (out [Tq,Hq,D], lse [Hq,Tq] fp32)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
-//                                deterministic) -> (dq, dk, dv)      (fast mode only)
+//                                deterministic, split_slots=0) -> (dq, dk, dv)      (fast mode only)
 //
 // q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
 // tiles) carry the local row of their first query in field 6; the backward's kv items and
-// ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work. The work lists come
+// ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work; split_slots is the number
+// of key tiles it split by query head (their dK/dV are summed in an fp32 workspace allocated here). The work lists come
 // from megatron_dualkv/ops/cuda_backend.py, which also registers the fake implementations.
 
 #include <torch/extension.h>
@@ -48,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   return {c.out, c.lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots) {
   TORCH_CHECK(!deterministic,
               "megatron_dualkv: the ws backward has no deterministic mode (dQ by atomics); use bwd_sm90 for it");
   check_ws_qkv(q, k, v);
@@ -60,6 +61,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   // kv items and ranges [a, b, loc, causal] of cuda_backend.ws_kv_work
   check_work(kv_work, q, "kv_work", 8);
   check_work(kv_ranges, q, "kv_ranges", 4);
+  TORCH_CHECK(split_slots >= 0 && split_slots <= kv_work.size(0), "megatron_dualkv: split_slots = ", split_slots,
+              " is not between 0 and the ", kv_work.size(0), " kv items");
   (void)row_work;  // the ws backward walks key tiles only; the argument keeps bwd_sm90's signature
   const BwdInputs in = check_bwd_inputs(dout, q, out, lse, dlse, "Tq");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(in.dout.data_ptr()) % 16 == 0,
@@ -71,7 +74,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   auto delta = per_head_row_floats(q);
   auto dq_acc = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
-  const mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
+  mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
+  at::Tensor split_acc, split_count;  // dK/dV sums and tickets of the key tiles split by query head
+  if (split_slots > 0) {
+    split_acc = at::zeros({split_slots, k.size(1), 2, 128, q.size(2)}, q.options().dtype(at::kFloat));
+    split_count = at::zeros({split_slots, k.size(1)}, q.options().dtype(at::kInt));
+    ka.split_acc = split_acc.data_ptr<float>();
+    ka.split_count = split_count.data_ptr<int>();
+  }
   auto err = mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), at::cuda::getCurrentCUDAStream());
   check_launch(err, "bwd_ws_sm90", true);
   finish_dq(dq_acc, dq, scale);
@@ -82,7 +92,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def(mdkv::op_args::fwd_schema("fwd_ws_sm90").c_str());
-  m.def(mdkv::op_args::bwd_schema("bwd_ws_sm90").c_str());
+  std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
+  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0");
+  m.def(ws_bwd.c_str());
 }
 
 TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {

@@ -251,16 +251,55 @@ def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE
 # 0.3 % of the ideal makespan; 1/4 left some prompt tiles of (16, 65536, 1024) in the second band.
 LONG_BAND = 8
 
+# A key tile whose CTA (walking every query head of the GQA group) would last more than WS_SPLIT_AT
+# times the ideal makespan (all CTAs' work / SMs) is split into one CTA per query head: a GRPO group
+# of many responses behind a short prompt, e.g. (N, P, R) = (16, 512, 1024), where each prompt key
+# tile walks all N * R rows and the backward took 1.8x the ideal (csrc/ws_block_order_model.py).
+# Measured on the H100 (docs/PERF.md, twelfth session): -17 % backward at 1.26x the ideal, -26 to
+# -43 % at 1.8-2.3x, but +14 % at 0.97x (the split's own cost): hence 1.2. Steps per CTA start as in
+# that model.
+WS_SPLIT_AT = 1.2
+WS_CTA_OVERHEAD = 4
 
-def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128) -> tuple[list, list]:
+
+def split_by_query_head(items: list, hkv: int, group: int, sms: int) -> list:
+    """`ws_kv_work`'s items with the key tiles that would outlast the grid split by query head: each
+    becomes `group` items with field 7 = (slot << 4) | (j + 1) (query head j of the group; `slot`
+    numbers the split tiles from 0, for their fp32 dK/dV sums), listed head-major, then all items
+    re-sorted heaviest first by their CTA's work and field 5 (n_long) recomputed."""
+    if not items or not 2 <= group <= 15:  # the kernel keeps j + 1 in 4 bits
+        return items
+    cta = lambda it: it[4] * (1 if it[7] else group)  # noqa: E731  (64-row tiles a CTA walks)
+    ideal = sum(cta(it) + WS_CTA_OVERHEAD for it in items) * hkv / sms
+    heavy = [it for it in items if cta(it) + WS_CTA_OVERHEAD > WS_SPLIT_AT * ideal]
+    if not heavy:
+        return items
+    out = [it for it in items if cta(it) + WS_CTA_OVERHEAD <= WS_SPLIT_AT * ideal]
+    out += [it[:7] + [(slot << 4) | (j + 1)] for j in range(group) for slot, it in enumerate(heavy)]
+    out.sort(key=lambda it: -cta(it))
+    n_long = sum(1 for it in out if cta(it) * LONG_BAND >= cta(out[0]))
+    for it in out:
+        it[5] = n_long
+    return out
+
+
+def split_slots(items: list) -> int:
+    """How many key tiles `split_by_query_head` split (the kernel's fp32 dK/dV sums)."""
+    return sum(1 for it in items if it[7] & 15 == 1)
+
+
+def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
+               split: Optional[tuple[int, int, int]] = None) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
-    tiles_per_head, n_long, wide_tiles_per_head, 0] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
+    tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
+    split: 0, or a key tile split by query head, `split_by_query_head`;
     one item per key tile, also when no held query attends it: its dK, dV
     are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
     segment from k0 on (causal) and the children of a root. Heaviest first; the first n_long
     items (at least 1/LONG_BAND of the heaviest's work) are the kernel's first band: their CTAs
-    of every kv head start before any other item's."""
+    of every kv head start before any other item's. split = (hkv, group, SMs): key tiles that would
+    outlast the grid are split by query head (`split_by_query_head`)."""
     _check_depth(segments)
     children = _child_ranges(segments)
     items, ranges = [], []
@@ -278,6 +317,8 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     n_long = sum(1 for it in items if it[4] * LONG_BAND >= items[0][4]) if items else 0
     for it in items:
         it[5] = n_long
+    if split is not None:
+        items = split_by_query_head(items, *split)
     return items, [list(r) for r in ranges] or [[0, 0, 0, 0]]
 
 
@@ -285,23 +326,44 @@ class Work:
     """Device work lists of one layout (and one set of query chunks), built once and cached on
     the SegmentTable: row items of 64-row (mma) and 128-row (sm90, ws) query tiles, kv items and
     ranges of 64-row (mma) and 128-row (sm90) key tiles, and the ws backward's kv items/ranges.
-    With query chunks (local queries) only the ws lists are built."""
+    With query chunks (local queries) only the ws lists are built. split: `ws_kv_work`'s."""
 
-    def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None):
+    def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
+                 split: Optional[tuple[int, int, int]] = None):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
         self.rows128 = mk(row_items(segments, 128, chunks))
-        ws_items, ws_ranges = ws_kv_work(segments, chunks)
+        ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
+        self.ws_split_slots = split_slots(ws_items)
         if not self.local:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
             self.kv128 = mk(kv_items(segments, 128)[0])  # the same ranges
 
 
-def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None) -> Work:
+def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
+                 split: Optional[tuple[int, int, int]] = None) -> Work:
     """The `Work` of a layout on a device (cached on the SegmentTable)."""
-    return segments.cached(("cuda_backend_work", str(device), chunks), lambda: Work(segments, device, chunks))
+    return segments.cached(("cuda_backend_work", str(device), chunks, split),
+                           lambda: Work(segments, device, chunks, split))
+
+
+def ws_split(q: Tensor, k: Tensor) -> Optional[tuple[int, int, int]]:
+    """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs), or None with
+    MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA; for A/B timings)."""
+    if os.environ.get("MEGATRON_DUALKV_WS_SPLIT", "1") == "0":
+        return None
+    return k.shape[1], q.shape[1] // k.shape[1], _sm_count(q.device)
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
 
 
 def cached_query_chunks(segments: SegmentTable, q_rows: Tensor) -> QueryChunks:
@@ -352,7 +414,7 @@ def _register_python_side() -> None:
     if _has_op("fwd_ws_sm90"):  # absent from extensions built before it existed
         torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_fake)
 
-    def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic):
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, split_slots=0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     torch.library.register_fake("megatron_dualkv::bwd")(_bwd_fake)
@@ -363,16 +425,18 @@ def _register_python_side() -> None:
 
 class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
-    bwd_kind): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs (`_lists` picks the
-    work lists that match both kinds)."""
+    bwd_kind, split_slots): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs (`_lists`
+    picks the work lists that match both kinds); split_slots: the ws backward's key tiles split by
+    query head."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind):
+    def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
+                split_slots):
         ops = torch.ops.megatron_dualkv
         fwd_op = {"ws": ops.fwd_ws_sm90, "sm90": ops.fwd_sm90, "mma": ops.fwd}[fwd_kind]
         out, lse = fwd_op(q, k, v, fwd_rows, scale)
         ctx.save_for_backward(q, k, v, out, lse, bwd_rows, bwd_kv, bwd_ranges)
-        ctx.scale, ctx.deterministic, ctx.bwd_kind = scale, deterministic, bwd_kind
+        ctx.scale, ctx.deterministic, ctx.bwd_kind, ctx.split_slots = scale, deterministic, bwd_kind, split_slots
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -382,20 +446,23 @@ class _DualKVFunction(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         ops = torch.ops.megatron_dualkv
-        op = {"ws": ops.bwd_ws_sm90, "sm90": ops.bwd_sm90, "mma": ops.bwd}[ctx.bwd_kind]
-        dq, dk, dv = op(dout.contiguous(), q, k, v, out, lse, None, rows, kv, ranges, ctx.scale, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        args = (dout.contiguous(), q, k, v, out, lse, None, rows, kv, ranges, ctx.scale, ctx.deterministic)
+        if ctx.bwd_kind == "ws":
+            dq, dk, dv = ops.bwd_ws_sm90(*args, ctx.split_slots)
+        else:
+            dq, dk, dv = {"sm90": ops.bwd_sm90, "mma": ops.bwd}[ctx.bwd_kind](*args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _lists(work: Work, fwd_kind: str, bwd_kind: str, deterministic: bool) -> tuple:
-    """(forward rows, backward rows, kv items, ranges, backward kernel) for the kernels chosen;
-    the ws backward has no deterministic mode, so deterministic runs the sm90 one."""
+    """(forward rows, backward rows, kv items, ranges, backward kernel, split slots) for the
+    kernels chosen; the ws backward has no deterministic mode, so deterministic runs the sm90 one."""
     fwd_rows = work.rows64 if fwd_kind == "mma" else work.rows128
     if bwd_kind == "ws" and not deterministic:
-        return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws"
+        return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws", work.ws_split_slots
     if bwd_kind == "mma":
-        return fwd_rows, work.rows64, work.kv64, work.ranges, "mma"
-    return fwd_rows, work.rows128, work.kv128, work.ranges, "sm90"
+        return fwd_rows, work.rows64, work.kv64, work.ranges, "mma", 0
+    return fwd_rows, work.rows128, work.kv128, work.ranges, "sm90", 0
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, local: bool) -> None:
@@ -460,9 +527,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")
         chunks = cached_query_chunks(segments, q_rows)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    fwd_rows, bwd_rows, kv, ranges, bwd_kernel = _lists(work_tensors(segments, q.device, chunks), fi, bi,
-                                                        bool(deterministic))
-    return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel)
+    split = ws_split(q, k) if bi == "ws" and not deterministic else None
+    fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work_tensors(segments, q.device, chunks, split), fi,
+                                                               bi, bool(deterministic))
+    return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
+                                 slots)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,

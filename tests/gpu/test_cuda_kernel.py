@@ -164,6 +164,9 @@ CASES = [
     ([(1999, [1, 700, 64, 2048]), (130, [17] * 16)], 0, 32, 4, 128, torch.float16),
     ([(5059, [1, 33, 2048]), (64, [64, 64])], 11, 32, 8, 64, torch.float16),
     ([(777, [3, 1500]), (2, [1] * 40)], 0, 32, 4, 64, torch.bfloat16),
+    # many responses behind a short prompt: the ws backward splits the prompt's key tiles by query
+    # head (so do cases 1 and 3, with 8 query heads per kv head; cases 0 and 2 split nothing)
+    ([(130, [200] * 48)], 0, 32, 8, 128, torch.bfloat16),
 ]
 
 
@@ -180,6 +183,7 @@ IMPLS = {
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
     "wsbwd-qtile-64": ("sm90", "ws"),     # 64-row query steps at head dim 128 too (default there: 80)
+    "wsbwd-no-split": ("sm90", "ws"),     # no key tile split by query head (MEGATRON_DUALKV_WS_SPLIT=0)
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
@@ -198,6 +202,8 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_DQ", "atomic")
     if impl == "wsbwd-qtile-64":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_QTILE", "64")
+    if impl == "wsbwd-no-split":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
     fwd, bwd = IMPLS[impl]
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
@@ -263,19 +269,32 @@ def test_deterministic_bitwise(impl):
 
 
 @gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("d", [128, 64])
-def test_wsbwd_dq_matches_sm90(d):
+def test_wsbwd_dq_matches_sm90(d, split, monkeypatch):
     """The ws backward against the sm90 fast backward on the same forward, gradient by gradient:
-    dk, dv bitwise (same per-CTA accumulation order), dq within bf16 rounding (fp32 atomics in
-    another order), dq against float64 no worse than sm90's. The layout has short key tiles of a
-    prompt followed by its responses (the ws kernel's TMA box then holds the responses' keys: the
-    case its first GPU run got wrong in dq only)."""
+    without splits dk, dv bitwise (same per-CTA accumulation order); with this small grid's key
+    tiles split by query head (their dK/dV summed in fp32 in another order) within bf16 rounding
+    and no worse than sm90's against float64; dq within bf16 rounding (fp32 atomics in another
+    order), against float64 no worse than sm90's. The layout has short key tiles of a prompt
+    followed by its responses (the ws kernel's TMA box then holds the responses' keys: the case its
+    first GPU run got wrong in dq only)."""
+    if not split:
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
     seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [17] * 9)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    slots = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k)).ws_split_slots if split else 0
+    assert (slots > 0) == split, f"{slots} key tiles split"
     ref = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="sm90")
     ws = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="ws")
-    assert torch.equal(ws[3], ref[3]), f"dk differs from sm90's: rel {rel(ws[3], ref[3]):.3e}"
-    assert torch.equal(ws[4], ref[4]), f"dv differs from sm90's: rel {rel(ws[4], ref[4]):.3e}"
+    if split:
+        ex = exact(q, k, v, dout, seg, 0.1)
+        for name, i in (("dk", 3), ("dv", 4)):
+            assert rel(ws[i], ref[i]) < 1e-2, f"{name}: rel {rel(ws[i], ref[i]):.3e} vs sm90"
+            assert rel(ws[i], ex[i]) <= rel(ref[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+    else:
+        assert torch.equal(ws[3], ref[3]), f"dk differs from sm90's: rel {rel(ws[3], ref[3]):.3e}"
+        assert torch.equal(ws[4], ref[4]), f"dv differs from sm90's: rel {rel(ws[4], ref[4]):.3e}"
     assert torch.isfinite(ws[2]).all(), "dq: non-finite elements"
     ex_dq = exact(q, k, v, dout, seg, 0.1)[2]
     e_ws, e_ref = rel(ws[2], ex_dq), rel(ref[2], ex_dq)
@@ -377,7 +396,7 @@ def test_torch_compile_traces_the_ops():
     lists = cuda_backend._lists(cuda_backend.work_tensors(seg, q.device), "sm90", "sm90", False)
 
     def f(q, k, v):
-        return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, "sm90", lists[4])[0]
+        return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, "sm90", lists[4], lists[5])[0]
 
     qq = q.clone().requires_grad_(True)
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(qq, k, v)
@@ -501,6 +520,37 @@ def test_ws_kv_items_name_their_long_band(groups):
     if len(groups) == 1:
         p = groups[0][0]
         assert sorted(it[0] for it in items[:n_long]) == list(range(0, p, 128))
+
+
+@pytest.mark.parametrize("groups, hkv, group, slots", [
+    ([(512, [1024] * 16)], 8, 4, 4),              # (N, P, R) = (16, 512, 1024): the prompt's 4 key tiles
+    ([(256, [1024] * 64)], 8, 4, 2),
+    ([(4096, [2048] * 28)], 8, 4, 0),             # the published shapes split nothing
+    ([(65536, [1024] * 16)], 8, 4, 0),
+    ([(130, [200] * 48), (5, [3])], 4, 8, 2),     # 8 query heads per kv head: the prompt's 2 key tiles
+])
+def test_ws_split_by_query_head(groups, hkv, group, slots):
+    """Key tiles whose CTA would outlast the grid become one item per query head of the group:
+    field 7 = (slot << 4) | (j + 1), slots numbered from 0, every (key tile, query head) walked by
+    exactly one CTA, the list heaviest first by CTA work, field 5 the band of the re-sorted list."""
+    seg = make_segments(groups, device="cpu")
+    plain, ranges = cuda_backend.ws_kv_work(seg)
+    items, ranges2 = cuda_backend.ws_kv_work(seg, split=(hkv, group, 132))
+    assert ranges2 == ranges and cuda_backend.split_slots(items) == slots
+    walked = {}
+    for it in items:
+        heads = range(group) if it[7] == 0 else [(it[7] & 15) - 1]
+        for j in heads:
+            key = (it[0], j)
+            assert key not in walked, f"key tile {it[0]}, query head {j} walked twice"
+            walked[key] = it[:5] + [it[6]]
+    assert walked == {(it[0], j): it[:5] + [it[6]] for it in plain for j in range(group)}
+    assert sorted(it[7] >> 4 for it in items if it[7] & 15 == 1) == list(range(slots))
+    cta = [it[4] * (1 if it[7] else group) for it in items]
+    assert cta == sorted(cta, reverse=True)
+    n_long = items[0][5]
+    assert all(it[5] == n_long for it in items) and all(c * cuda_backend.LONG_BAND >= cta[0] for c in cta[:n_long])
+    assert all(c * cuda_backend.LONG_BAND < cta[0] for c in cta[n_long:])
 
 
 def test_query_chunks_reject_bad_rows():
