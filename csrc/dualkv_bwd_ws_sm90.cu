@@ -590,6 +590,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const long ks = (long)a.hkv * D;
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
   T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
+  float dk_scale = a.scale;
   if (split) {
     // this head's dK (scaled) and dV added into the slot's fp32 sums [2][kKVB][D] of kv head hk;
     // the replica that finishes last (a ticket after __threadfence) converts the sums to T
@@ -613,6 +614,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     named_sync(10, 256);
     if (!*last) return;
     __threadfence();
+    // the group's sums into this thread's fragment positions, stored below like an unsplit tile's
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = krow_a + r * 8;
@@ -622,17 +624,16 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       for (int j = 0; j < D / 8; ++j) {
         const float2 sk = __ldcg(reinterpret_cast<const float2*>(pk + j * 8));
         const float2 sv = __ldcg(reinterpret_cast<const float2*>(pk + kKVB * D + j * 8));
-        const long off = (long)row * ks + j * 8 + (lane & 3) * 2;
-        *reinterpret_cast<uint32_t*>(dkg + off) = pack2<T>(sk.x, sk.y);
-        *reinterpret_cast<uint32_t*>(dvg + off) = pack2<T>(sv.x, sv.y);
+        dk[4 * j + 2 * r] = sk.x, dk[4 * j + 2 * r + 1] = sk.y;
+        dv[4 * j + 2 * r] = sv.x, dv[4 * j + 2 * r + 1] = sv.y;
       }
     }
-    return;
+    dk_scale = 1.f;  // the sums hold dK scaled already
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = krow_a + r * 8;
-    if (row < k1) store_dk_dv_row<T, D>(dkg, dvg, ks, row, lane, dk, dv, r, a.scale);
+    if (row < k1) store_dk_dv_row<T, D>(dkg, dvg, ks, row, lane, dk, dv, r, dk_scale);
   }
 }
 

@@ -9,9 +9,10 @@
 // q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
 // tiles) carry the local row of their first query in field 6; the backward's kv items and
-// ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work; split_slots is the number
-// of key tiles it split by query head (their dK/dV are summed in an fp32 workspace allocated here). The work lists come
-// from megatron_dualkv/ops/cuda_backend.py, which also registers the fake implementations.
+// ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work; split_slots is the
+// number of key tiles it split by query head (their dK/dV are summed in an fp32 workspace
+// allocated here). The work lists come from megatron_dualkv/ops/cuda_backend.py, which also
+// registers the fake implementations.
 
 #include <torch/extension.h>
 #include <torch/library.h>

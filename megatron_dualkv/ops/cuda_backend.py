@@ -271,16 +271,23 @@ def split_by_query_head(items: list, hkv: int, group: int, sms: int) -> list:
         return items
     cta = lambda it: it[4] * (1 if it[7] else group)  # noqa: E731  (64-row tiles a CTA walks)
     ideal = sum(cta(it) + WS_CTA_OVERHEAD for it in items) * hkv / sms
-    heavy = [it for it in items if cta(it) + WS_CTA_OVERHEAD > WS_SPLIT_AT * ideal]
+    out, heavy = [], []
+    for it in items:
+        (heavy if cta(it) + WS_CTA_OVERHEAD > WS_SPLIT_AT * ideal else out).append(it)
     if not heavy:
         return items
-    out = [it for it in items if cta(it) + WS_CTA_OVERHEAD <= WS_SPLIT_AT * ideal]
     out += [it[:7] + [(slot << 4) | (j + 1)] for j in range(group) for slot, it in enumerate(heavy)]
     out.sort(key=lambda it: -cta(it))
-    n_long = sum(1 for it in out if cta(it) * LONG_BAND >= cta(out[0]))
-    for it in out:
-        it[5] = n_long
+    _mark_long_band(out, cta)
     return out
+
+
+def _mark_long_band(items: list, work) -> None:
+    """Field 5 of every item (sorted heaviest first by `work`) = n_long, the number of items with
+    at least 1/LONG_BAND of the heaviest's work: the kernel's first band."""
+    n_long = sum(1 for it in items if work(it) * LONG_BAND >= work(items[0])) if items else 0
+    for it in items:
+        it[5] = n_long
 
 
 def split_slots(items: list) -> int:
@@ -314,9 +321,7 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
             wide = sum(_ceil(hi - lo, WS_BWD_WIDE_TILE) for lo, hi, _, _ in own + kids)
             items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, wide, 0])
     items.sort(key=lambda r: -r[4])
-    n_long = sum(1 for it in items if it[4] * LONG_BAND >= items[0][4]) if items else 0
-    for it in items:
-        it[5] = n_long
+    _mark_long_band(items, lambda it: it[4])
     if split is not None:
         items = split_by_query_head(items, *split)
     return items, [list(r) for r in ranges] or [[0, 0, 0, 0]]
