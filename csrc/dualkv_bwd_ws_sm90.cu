@@ -213,14 +213,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int hk = band_block / band_items;
   const int* w = a.work + item * 8;
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = kWide ? w[6] : w[4];
-  // field 7: 0, this CTA walks the group's query heads one after the other; else (slot << 4) |
-  // (j + 1), a key tile split by query head (cuda_backend.ws_kv_work, where one CTA walking every
-  // head would outlast the rest of the grid): this CTA walks head j only and sums its dK/dV into
-  // the fp32 workspace of `slot` (epilogue below)
-  // (step i: query head head0 + i / per_head, its query tile i % per_head, as without splits)
+  // field 7: 0, or (slot << 12) | parts: a key tile split by query rows (cuda_backend.ws_kv_work,
+  // where one CTA walking all its rows would outlast the rest of the grid) into `parts` items of
+  // which this is one; it sums its dK/dV into the fp32 workspace of `slot` (epilogue below)
+  // (step i: query head hk * group + i / per_head, its query tile i % per_head)
   const int split = w[7];
-  const int n_iter = split ? per_head : per_head * group;
-  const int head0 = hk * group + (split ? (split & 15) - 1 : 0);
+  const int n_iter = per_head * group;
 
   // query tile i of a head: packed rows q0..qend (QT at most used), held from local row ql. Only
   // the producer walks the ranges; it hands each step's (q0, qend, ql, causal) to the consumers in
@@ -278,7 +276,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       for (int i = 0; i < n_iter; ++i) {
         const int st = stage(i);
         if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
-        const int h = head0 + i / per_head;
+        const int h = hk * group + i / per_head;
         const int4 td = query_tile(i % per_head);
         const int q0 = td.x, qend = td.y, ql = td.z;
         if (lane == 0) {
@@ -406,7 +404,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         }
       }
     } else {
-      const int ql = td.z, h = head0 + i / per_head;
+      const int ql = td.z, h = hk * group + i / per_head;
       float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -426,7 +424,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto reduce_dq = [&](int i) {
     if constexpr (kTmaDQ) {
       const int4 td = sTd[i % kTdRing];
-      const int h = head0 + i / per_head;
+      const int h = hk * group + i / per_head;
       float* stg = sStg + cw * QT * 64;
       fence_proxy_async();  // the generic-proxy stores before the TMA (async proxy) reads them
       // the whole tile is stored: only warp 0 (the issuer's) waits; warps 1-3 arrive (release:
@@ -592,9 +590,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
   float dk_scale = a.scale;
   if (split) {
-    // this head's dK (scaled) and dV added into the slot's fp32 sums [2][kKVB][D] of kv head hk;
-    // the replica that finishes last (a ticket after __threadfence) converts the sums to T
-    float* acc = a.split_acc + (long)((split >> 4) * a.hkv + hk) * 2 * kKVB * D;
+    // this part's dK (scaled) and dV added into the slot's fp32 sums [2][kKVB][D] of kv head hk;
+    // the part that finishes last (a ticket after __threadfence) converts the sums to T
+    const int slot = split >> 12, parts = split & 4095;
+    float* acc = a.split_acc + (long)(slot * a.hkv + hk) * 2 * kKVB * D;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = krow_a + r * 8;
@@ -610,7 +609,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     __threadfence();
     named_sync(10, 256);  // both consumers' adds are issued and fenced (and their steps done: sTd is free)
     int* last = reinterpret_cast<int*>(sTd);
-    if (threadIdx.x == 128) *last = atomicAdd(a.split_count + (split >> 4) * a.hkv + hk, 1) == group - 1;
+    if (threadIdx.x == 128) *last = atomicAdd(a.split_count + slot * a.hkv + hk, 1) == parts - 1;
     named_sync(10, 256);
     if (!*last) return;
     __threadfence();

@@ -10,7 +10,7 @@
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
 // tiles) carry the local row of their first query in field 6; the backward's kv items and
 // ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work; split_slots is the
-// number of key tiles it split by query head (their dK/dV are summed in an fp32 workspace
+// number of key tiles it split by query rows (their dK/dV are summed in an fp32 workspace
 // allocated here). The work lists come from megatron_dualkv/ops/cuda_backend.py, which also
 // registers the fake implementations.
 
@@ -76,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   auto dq_acc = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
   mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
-  at::Tensor split_acc, split_count;  // dK/dV sums and tickets of the key tiles split by query head
+  at::Tensor split_acc, split_count;  // dK/dV sums and tickets of the key tiles split by query rows
   if (split_slots > 0) {
     split_acc = at::zeros({split_slots, k.size(1), 2, 128, q.size(2)}, q.options().dtype(at::kFloat));
     split_count = at::zeros({split_slots, k.size(1)}, q.options().dtype(at::kInt));

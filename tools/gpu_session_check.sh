@@ -16,7 +16,9 @@
 #                                                 # "new:MEGATRON_DUALKV_WS_DQ=tma"; $AB_ARGS: more
 #                                                 # bench_kernel.py arguments, e.g. --fwd-only);
 #                                                 # each table ends with the mean SM clock and power
-#                                                 # while it ran (tools/smi_summary.py)
+#                                                 # while it ran (tools/smi_summary.py);
+#                                                 # $AB_PASSES passes (default 2), the order of
+#                                                 # $AB_LIBS reversed on even passes
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -59,8 +61,10 @@ if [ "$1" = kernel ]; then
 fi
 if [ "$1" = ab ]; then
   # each extension in its own process (two libraries cannot register the same ops in one)
-  for pass in 1 2; do
-    for spec in $AB_LIBS; do
+  for pass in $(seq ${AB_PASSES:-2}); do
+    # the order reversed on even passes: the later runs of a pass measured warmer
+    specs=$AB_LIBS; [ $((pass % 2)) = 0 ] && specs=$(echo $AB_LIBS | tr ' ' '\n' | tac | tr '\n' ' ')
+    for spec in $specs; do
       name=${spec%%=*}; lib=${spec#*=}; src=$PWD
       case $lib in *@*) src=$PWD/${lib#*@}; lib=${lib%@*};; esac
       extra=$(for e in $AB_ENV; do [ "${e%%:*}" = "$name" ] && echo "${e#*:}"; done)

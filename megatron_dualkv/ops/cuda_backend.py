@@ -36,6 +36,7 @@ out, lse, dq have Tq rows; dk, dv have T rows (the contributions of the held que
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from typing import Optional
@@ -251,35 +252,86 @@ def build_work(segments: SegmentTable, row_tile: int = TILE, kv_tile: int = TILE
 # 0.3 % of the ideal makespan; 1/4 left some prompt tiles of (16, 65536, 1024) in the second band.
 LONG_BAND = 8
 
-# A key tile whose CTA (walking every query head of the GQA group) would last more than WS_SPLIT_AT
-# times the ideal makespan (all CTAs' work / SMs) is split into one CTA per query head: a GRPO group
-# of many responses behind a short prompt, e.g. (N, P, R) = (16, 512, 1024), where each prompt key
-# tile walks all N * R rows and the backward took 1.8x the ideal (csrc/ws_block_order_model.py).
-# Measured on the H100 (docs/PERF.md, twelfth session): -17 % backward at 1.26x the ideal, -26 to
-# -43 % at 1.8-2.3x, but +14 % at 0.97x (the split's own cost): hence 1.2. Steps per CTA start as in
-# that model.
+# A key tile whose CTA would last more than WS_SPLIT_AT times the ideal makespan (all CTAs' work /
+# SMs) is split by query rows into parts, one CTA each: a GRPO group of many responses behind a
+# short prompt, e.g. (N, P, R) = (16, 512, 1024), where each prompt key tile walks all N * R rows
+# and the backward took 1.8x the ideal (csrc/ws_block_order_model.py). Measured on the H100
+# (docs/PERF.md, twelfth session, then split by query head): -17 % backward at 1.26x the ideal,
+# -26 to -43 % at 1.8-2.3x, but +14 % at 0.97x (the split's own cost): hence 1.2. Steps per CTA
+# start as in that model.
 WS_SPLIT_AT = 1.2
 WS_CTA_OVERHEAD = 4
+# A part walks at least WS_SPLIT_MIN_ROWS query rows (consecutive short responses merge) and at
+# most half the split threshold's work; cuts inside a response fall on multiples of 320 rows, so
+# 64- and 80-row steps stay whole. At most 4095 parts per key tile (12 bits of field 7).
+WS_SPLIT_MIN_ROWS = 256
+_SPLIT_CUT = 320
 
 
-def split_by_query_head(items: list, hkv: int, group: int, sms: int) -> list:
-    """`ws_kv_work`'s items with the key tiles that would outlast the grid split by query head: each
-    becomes `group` items with field 7 = (slot << 4) | (j + 1) (query head j of the group; `slot`
-    numbers the split tiles from 0, for their fp32 dK/dV sums), listed head-major, then all items
-    re-sorted heaviest first by their CTA's work and field 5 (n_long) recomputed."""
-    if not items or not 2 <= group <= 15:  # the kernel keeps j + 1 in 4 bits
-        return items
-    cta = lambda it: it[4] * (1 if it[7] else group)  # noqa: E731  (64-row tiles a CTA walks)
-    ideal = sum(cta(it) + WS_CTA_OVERHEAD for it in items) * hkv / sms
-    out, heavy = [], []
+def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: int, sms: int) -> tuple[list, list]:
+    """`ws_kv_work`'s (items, ranges) with the key tiles that would outlast the grid split by query
+    rows: each becomes parts (items with the same k0) whose ranges, appended to `ranges`, are the
+    tile's cut at segment starts, so a part walks whole responses. Field 7 of a part =
+    (slot << 12) | parts (`slot` numbers the split tiles from 0, for their fp32 dK/dV sums).
+
+    After a split the list is ordered by the segment whose rows an item walks first (its children's
+    for a part, its own for a response's key tile), heaviest segment first, heaviest item first
+    inside one, in one band (field 5 = 0): the parts of the prompt's tiles run next to the
+    response's own key tiles, which walk the same query rows, so Q, dO and dQ are shared in L2
+    (modelled L2 misses 83 -> 35 % on (64, 256, 1024), 52 -> 15 % on (16, 512, 1024);
+    docs/PERF.md, thirteenth session). Without a split, items and ranges come back unchanged."""
+    cta = lambda it: it[4] * group + WS_CTA_OVERHEAD  # noqa: E731  (64-row steps of one CTA, + start)
+    ideal = sum(cta(it) for it in items) * hkv / sms
+    if not items or max(cta(it) for it in items) <= WS_SPLIT_AT * ideal:
+        return items, ranges
+    cap = max(_SPLIT_CUT, int((WS_SPLIT_AT * ideal - WS_CTA_OVERHEAD) / group / 2) * TILE // _SPLIT_CUT * _SPLIT_CUT)
+    starts = sorted(seg_starts)
+    ranges = [list(r) for r in ranges]
+    out, slots = [], 0
     for it in items:
-        (heavy if cta(it) + WS_CTA_OVERHEAD > WS_SPLIT_AT * ideal else out).append(it)
-    if not heavy:
-        return items
-    out += [it[:7] + [(slot << 4) | (j + 1)] for j in range(group) for slot, it in enumerate(heavy)]
-    out.sort(key=lambda it: -cta(it))
-    _mark_long_band(out, cta)
-    return out
+        parts = _row_parts([ranges[r] for r in range(it[2], it[3])], starts, cap) if cta(it) > WS_SPLIT_AT * ideal else []
+        if len(parts) < 2:
+            out.append(it)
+            continue
+        for part in parts:
+            rlo = len(ranges)
+            ranges += part
+            out.append([it[0], it[1], rlo, len(ranges), sum(_ceil(b - a, TILE) for a, b, _, _ in part), 0,
+                        sum(_ceil(b - a, WS_BWD_WIDE_TILE) for a, b, _, _ in part), (slots << 12) | len(parts)])
+        slots += 1
+    seg_of = lambda row: bisect.bisect_right(starts, row) - 1  # noqa: E731
+    first = lambda it: seg_of(next((r[0] for r in ranges[it[2]:it[3]] if not r[3]), it[0]))  # noqa: E731
+    heaviest = {}
+    for it in out:
+        heaviest[first(it)] = max(heaviest.get(first(it), 0), cta(it))
+    out.sort(key=lambda it: (-heaviest[first(it)], first(it), -cta(it), it[0]))
+    for it in out:
+        it[5] = 0
+    return out, ranges
+
+
+def _row_parts(rs: list, starts: list, cap: int) -> list:
+    """A key tile's query ranges [a, b, loc, causal] cut at segment starts and every `cap` rows,
+    then grouped in order into parts of at least WS_SPLIT_MIN_ROWS rows (at most 4095 parts)."""
+    pieces = []
+    for a, b, loc, causal in rs:
+        edges = [a] + starts[bisect.bisect_right(starts, a):bisect.bisect_left(starts, b)] + [b]
+        for lo, hi in zip(edges, edges[1:]):
+            pieces += [[x, min(x + cap, hi), loc + x - a, causal] for x in range(lo, hi, cap)]
+    min_rows = max(WS_SPLIT_MIN_ROWS, _ceil(sum(b - a for a, b, _, _ in pieces), 4000))
+    parts, cur, rows = [], [], 0
+    for pc in pieces:
+        cur.append(pc)
+        rows += pc[1] - pc[0]
+        if rows >= min_rows:
+            parts.append(cur)
+            cur, rows = [], 0
+    if cur:
+        if parts:
+            parts[-1] += cur
+        else:
+            parts.append(cur)
+    return parts
 
 
 def _mark_long_band(items: list, work) -> None:
@@ -291,22 +343,22 @@ def _mark_long_band(items: list, work) -> None:
 
 
 def split_slots(items: list) -> int:
-    """How many key tiles `split_by_query_head` split (the kernel's fp32 dK/dV sums)."""
-    return sum(1 for it in items if it[7] & 15 == 1)
+    """How many key tiles `split_by_rows` split (the kernel's fp32 dK/dV sums)."""
+    return len({it[7] >> 12 for it in items if it[7]})
 
 
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
                split: Optional[tuple[int, int, int]] = None) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
     tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
-    split: 0, or a key tile split by query head, `split_by_query_head`;
+    split: 0, or a part of a key tile split by query rows, `split_by_rows`;
     one item per key tile, also when no held query attends it: its dK, dV
     are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
     segment from k0 on (causal) and the children of a root. Heaviest first; the first n_long
     items (at least 1/LONG_BAND of the heaviest's work) are the kernel's first band: their CTAs
     of every kv head start before any other item's. split = (hkv, group, SMs): key tiles that would
-    outlast the grid are split by query head (`split_by_query_head`)."""
+    outlast the grid are split by query rows (`split_by_rows`, which also reorders the list)."""
     _check_depth(segments)
     children = _child_ranges(segments)
     items, ranges = [], []
@@ -322,9 +374,10 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
             items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, wide, 0])
     items.sort(key=lambda r: -r[4])
     _mark_long_band(items, lambda it: it[4])
+    ranges = [list(r) for r in ranges]
     if split is not None:
-        items = split_by_query_head(items, *split)
-    return items, [list(r) for r in ranges] or [[0, 0, 0, 0]]
+        items, ranges = split_by_rows(items, ranges, segments.host_start, *split)
+    return items, ranges or [[0, 0, 0, 0]]
 
 
 class Work:
@@ -432,7 +485,7 @@ class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
     bwd_kind, split_slots): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs (`_lists`
     picks the work lists that match both kinds); split_slots: the ws backward's key tiles split by
-    query head."""
+    query rows."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,

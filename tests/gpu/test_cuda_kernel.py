@@ -165,7 +165,8 @@ CASES = [
     ([(5059, [1, 33, 2048]), (64, [64, 64])], 11, 32, 8, 64, torch.float16),
     ([(777, [3, 1500]), (2, [1] * 40)], 0, 32, 4, 64, torch.bfloat16),
     # many responses behind a short prompt: the ws backward splits the prompt's key tiles by query
-    # head (so do cases 1 and 3, with 8 query heads per kv head; cases 0 and 2 split nothing)
+    # rows (so do cases 1 and 3, a 2048- and a 1500-row response cut in parts; cases 0 and 2 split
+    # nothing)
     ([(130, [200] * 48)], 0, 32, 8, 128, torch.bfloat16),
 ]
 
@@ -183,7 +184,7 @@ IMPLS = {
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
     "wsbwd-qtile-64": ("sm90", "ws"),     # 64-row query steps at head dim 128 too (default there: 80)
-    "wsbwd-no-split": ("sm90", "ws"),     # no key tile split by query head (MEGATRON_DUALKV_WS_SPLIT=0)
+    "wsbwd-no-split": ("sm90", "ws"),     # no key tile split by query rows (MEGATRON_DUALKV_WS_SPLIT=0)
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
@@ -274,14 +275,14 @@ def test_deterministic_bitwise(impl):
 def test_wsbwd_dq_matches_sm90(d, split, monkeypatch):
     """The ws backward against the sm90 fast backward on the same forward, gradient by gradient:
     without splits dk, dv bitwise (same per-CTA accumulation order); with this small grid's key
-    tiles split by query head (their dK/dV summed in fp32 in another order) within bf16 rounding
+    tiles split by query rows (their dK/dV summed in fp32 in another order) within bf16 rounding
     and no worse than sm90's against float64; dq within bf16 rounding (fp32 atomics in another
     order), against float64 no worse than sm90's. The layout has short key tiles of a prompt
     followed by its responses (the ws kernel's TMA box then holds the responses' keys: the case its
     first GPU run got wrong in dq only)."""
     if not split:
         monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
-    seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [17] * 9)], pad=3)
+    seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [200] * 6)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
     slots = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k)).ws_split_slots if split else 0
     assert (slots > 0) == split, f"{slots} key tiles split"
@@ -522,35 +523,61 @@ def test_ws_kv_items_name_their_long_band(groups):
         assert sorted(it[0] for it in items[:n_long]) == list(range(0, p, 128))
 
 
-@pytest.mark.parametrize("groups, hkv, group, slots", [
-    ([(512, [1024] * 16)], 8, 4, 4),              # (N, P, R) = (16, 512, 1024): the prompt's 4 key tiles
-    ([(256, [1024] * 64)], 8, 4, 2),
-    ([(4096, [2048] * 28)], 8, 4, 0),             # the published shapes split nothing
-    ([(65536, [1024] * 16)], 8, 4, 0),
-    ([(130, [200] * 48), (5, [3])], 4, 8, 2),     # 8 query heads per kv head: the prompt's 2 key tiles
+@pytest.mark.parametrize("groups, hkv, group, slots, local", [
+    ([(512, [1024] * 16)], 8, 4, 4, False),        # (N, P, R) = (16, 512, 1024): the prompt's 4 key tiles
+    ([(256, [1024] * 64)], 8, 4, 2, False),
+    ([(4096, [2048] * 28)], 8, 4, 0, False),       # the published shapes split nothing
+    ([(65536, [1024] * 16)], 8, 4, 0, False),
+    ([(130, [200] * 48), (5, [3])], 4, 8, 2, False),  # 8 query heads per kv head
+    ([(1999, [1, 700, 64, 2048]), (130, [17] * 16)], 4, 8, 14, False),  # a 2048-row response cut in parts
+    ([(300, [90] * 60), (7, [50, 3])], 8, 4, 3, True),  # a context-parallel rank's rows
 ])
-def test_ws_split_by_query_head(groups, hkv, group, slots):
-    """Key tiles whose CTA would outlast the grid become one item per query head of the group:
-    field 7 = (slot << 4) | (j + 1), slots numbered from 0, every (key tile, query head) walked by
-    exactly one CTA, the list heaviest first by CTA work, field 5 the band of the re-sorted list."""
+def test_ws_split_by_rows(groups, hkv, group, slots, local):
+    """Key tiles whose CTA would outlast the grid become parts that walk disjoint query rows: every
+    (key tile, query row) pair of the unsplit list walked by exactly one item, causal as before;
+    field 7 = (slot << 12) | parts with slots numbered from 0 and `parts` items per slot; no part
+    crosses a segment start and all but a tile's last have at least WS_SPLIT_MIN_ROWS rows; fields
+    4 and 6 count the part's 64- and 80-row steps. After a split: one band (field 5 = 0) and the
+    items grouped by the segment whose rows they walk first, so a response's own key tiles and the
+    prompt's parts over its rows are neighbours in the list."""
     seg = make_segments(groups, device="cpu")
-    plain, ranges = cuda_backend.ws_kv_work(seg)
-    items, ranges2 = cuda_backend.ws_kv_work(seg, split=(hkv, group, 132))
-    assert ranges2 == ranges and cuda_backend.split_slots(items) == slots
+    chunks = random_chunks(seg.num_tokens, random.Random(5))[1] if local else None
+    plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks)
+    items, ranges = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132))
+    assert cuda_backend.split_slots(items) == slots
+    if not slots:
+        assert items == plain and ranges == plain_ranges
+        return
+
+    def pairs(item, rs):
+        return {(item[0], row, loc + row - a, c) for a, b, loc, c in rs[item[2]:item[3]] for row in range(a, b)}
+
     walked = {}
     for it in items:
-        heads = range(group) if it[7] == 0 else [(it[7] & 15) - 1]
-        for j in heads:
-            key = (it[0], j)
-            assert key not in walked, f"key tile {it[0]}, query head {j} walked twice"
-            walked[key] = it[:5] + [it[6]]
-    assert walked == {(it[0], j): it[:5] + [it[6]] for it in plain for j in range(group)}
-    assert sorted(it[7] >> 4 for it in items if it[7] & 15 == 1) == list(range(slots))
-    cta = [it[4] * (1 if it[7] else group) for it in items]
-    assert cta == sorted(cta, reverse=True)
-    n_long = items[0][5]
-    assert all(it[5] == n_long for it in items) and all(c * cuda_backend.LONG_BAND >= cta[0] for c in cta[:n_long])
-    assert all(c * cuda_backend.LONG_BAND < cta[0] for c in cta[n_long:])
+        for pair in pairs(it, ranges):
+            assert pair[:2] not in walked, f"key tile {it[0]}, query row {pair[1]} walked twice"
+            walked[pair[:2]] = pair
+        part = ranges[it[2]:it[3]]
+        assert it[4] == sum(-(-(b - a) // 64) for a, b, _, _ in part)
+        assert it[6] == sum(-(-(b - a) // cuda_backend.WS_BWD_WIDE_TILE) for a, b, _, _ in part)
+        assert not it[7] or not any(a < s < b for a, b, _, _ in part for s in seg.host_start), (
+            f"a part of {it[0]} crosses a segment")
+    assert set(walked.values()) == {pair for it in plain for pair in pairs(it, plain_ranges)}
+    split = [it for it in items if it[7]]
+    per_slot = {}
+    for it in split:
+        per_slot.setdefault(it[7] >> 12, []).append(it)
+    assert sorted(per_slot) == list(range(slots))
+    for slot, parts in per_slot.items():
+        assert len({it[0] for it in parts}) == 1 and all(it[7] & 4095 == len(parts) >= 2 for it in parts)
+        rows = sorted(sum(b - a for a, b, _, _ in ranges[it[2]:it[3]]) for it in parts)
+        assert all(r >= cuda_backend.WS_SPLIT_MIN_ROWS for r in rows[1:]), f"slot {slot}: parts of {rows} rows"
+    assert all(it[5] == 0 for it in items)
+    starts = sorted(seg.host_start)
+    first = [max(s for s in range(len(starts)) if starts[s] <= next((r[0] for r in ranges[it[2]:it[3]] if not r[3]), it[0]))
+             for it in items]
+    runs = [g for i, g in enumerate(first) if i == 0 or first[i - 1] != g]
+    assert len(runs) == len(set(runs)), "the items of one segment are not neighbours"
 
 
 def test_query_chunks_reject_bad_rows():

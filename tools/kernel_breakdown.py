@@ -1,0 +1,72 @@
+"""Where the milliseconds of one DualKV forward + backward go, kernel by kernel (torch.profiler).
+
+    python tools/kernel_breakdown.py 64x256x1024,16x512x1024 [--reps 5] [--backend cuda]
+
+For each shape (one group of N responses of R tokens behind a prompt of P; bf16, Hq=32, Hkv=8,
+d=128): two untimed runs (extension load, work lists, compiles), then --reps profiled runs of
+forward + backward on fresh random inputs. Printed per shape: every GPU kernel's mean time per run
+(ms) and share, summed by name, and the total. bench_kernel.py gives the end-to-end times; this
+says which kernel (the attention kernels, the delta pre-pass, the dQ zero fill and conversion,
+copies) they are made of.
+"""
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_dualkv.layout import SegmentTable
+from megatron_dualkv.ops import cuda_backend, flex_backend
+
+
+def short_name(name: str, width: int = 70) -> str:
+    name = name.split("(")[0] if "<" not in name.split("(")[0] else name
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def run_once(backend: str, seg: SegmentTable, t: int) -> None:
+    mk = lambda h: torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, do = mk(32).requires_grad_(), mk(8).requires_grad_(), mk(8).requires_grad_(), mk(32)
+    if backend == "cuda":
+        out = cuda_backend.attention(q, k, v, seg, 128 ** -0.5)
+    else:
+        out = flex_backend.attention(q, k, v, seg, 128 ** -0.5, kernel={"flex-flash": "FLASH", "flex-triton": "TRITON"}[backend])
+    out.backward(do)
+
+
+def breakdown(shape: tuple, backend: str, reps: int) -> None:
+    n, p, r = shape
+    seg = SegmentTable.from_group_lengths([(p, [r] * n)], device="cuda")
+    t = seg.num_tokens
+    for _ in range(2):
+        run_once(backend, seg, t)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run_once(backend, seg, t)
+        torch.cuda.synchronize()
+    per_kernel = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[short_name(ev.name)] += ev.device_time_total / 1000 / reps  # us -> ms per run
+    total = sum(per_kernel.values())
+    print(f"\n(N, P, R) = ({n}, {p}, {r}), T = {t}, {backend}: {total:.3f} ms of GPU kernels per forward + backward "
+          f"(mean of {reps}; includes the random inputs' generation)")
+    print("| kernel | ms per run | share |")
+    print("|---|---|---|")
+    for name, ms in per_kernel.most_common():
+        print(f"| `{name}` | {ms:.3f} | {100 * ms / total:.1f} % |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shapes", help="comma-separated NxPxR")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "flex-flash", "flex-triton"))
+    args = ap.parse_args()
+    for text in args.shapes.split(","):
+        breakdown(tuple(int(x) for x in text.split("x")), args.backend, args.reps)
+
+
+if __name__ == "__main__":
+    main()
