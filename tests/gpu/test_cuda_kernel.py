@@ -479,12 +479,18 @@ def test_ws_work_lists_cover_the_held_queries_once(seed, local):
     seg_of = seg.token_segment_ids().tolist()
     parents = seg.host_parent
     covered = {}
-    for q0, q1, self0, par0, par1, cost, qloc, _ in cuda_backend.row_items(seg, 128, chunks):
+    row_list = cuda_backend.row_items(seg, 128, chunks)
+    for q0, q1, self0, par0, par1, cost, qloc, _ in row_list:
         assert seg_of[q1 - 1] == seg_of[q0] and 0 < q1 - q0 <= 128 and self0 == seg.host_start[seg_of[q0]]
         for i in range(q0, q1):
             assert local_of[i] == qloc + i - q0
             covered[i] = covered.get(i, 0) + 1
     assert covered == {i: 1 for i in local_of}
+    # grouped by segment, the segment with the heaviest tile first, heaviest first inside one
+    runs = [[it for it in row_list if it[2] == s] for s in dict.fromkeys(it[2] for it in row_list)]
+    assert [it for run in runs for it in run] == row_list, "the tiles of one segment are not neighbours"
+    assert [run[0][5] for run in runs] == sorted((run[0][5] for run in runs), reverse=True)
+    assert all([it[5] for it in run] == sorted((it[5] for it in run), reverse=True) for run in runs)
     items, ranges = cuda_backend.ws_kv_work(seg, chunks)
     kcovered = [0] * t
     for k0, k1, rlo, rhi, per_head, _, wide_per_head, _ in items:
