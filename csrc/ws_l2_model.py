@@ -1,7 +1,7 @@
 """L2 reuse model of the ws backward's schedule (no GPU needed): which (query head, 64-row query
 tile) each resident CTA touches per step, replayed through an LRU cache.
 
-    python csrc/ws_l2_model.py 16 32768 2048        (about 3 minutes: 10 schedules x 3 caches)
+    python csrc/ws_l2_model.py 16 32768 2048        (about 3 minutes: 11 schedules x 3 caches)
 
 The work lists are cuda_backend.ws_kv_work's; 132 CTAs are resident (one per SM), a new one
 starts, in block order, where one ends; every step touches one 64 KB object (the Q and dO tiles,
@@ -13,7 +13,9 @@ schedule, for a 25 MB cache (jitter 0.05), a 35 MB one and a 25 MB one with jitt
   default since) x range order (own causal rows first / children first) x walk (heads outer /
   heads inner);
 - one CTA per (key tile, query head) (flash-attn-4's backward grid): key tiles heaviest first
-  or in row order, query-head-major.
+  or in row order, query-head-major;
+- the committed lists (cuda_backend.ws_kv_work with the split: key tiles that would outlast the
+  grid split by query rows and the list grouped by response) in the kernel's two-band order.
 
 What it is good for: ranking schedules, not absolute numbers. It predicted the kv-head-major
 order's gain (25 MB, jitter 0.05: 90 % -> 24 % misses); measured with ncu on the H100, (16, 32768,
@@ -54,6 +56,20 @@ def kernel_blocks(n_items, hkv, group, order):
     pairs = ([(b // hkv, b % hkv) for b in range(n_items * hkv)] if order == "item"
              else [(b % n_items, b // n_items) for b in range(n_items * hkv)])
     return [(it, tuple(range(hk * group, (hk + 1) * group))) for it, hk in pairs]
+
+
+def banded_blocks(items, hkv, group):
+    """The kernel's grid as dkdv_ws_kernel maps it: the first n_long items (field 5) of every kv
+    head, then the rest, kv-head-major within each band; every CTA walks its kv head's group."""
+    n_long = items[0][5]
+    blocks = []
+    for b in range(len(items) * hkv):
+        in_long = b < n_long * hkv
+        bb = b - (0 if in_long else n_long * hkv)
+        band = n_long if in_long else len(items) - n_long
+        hk = bb // band
+        blocks.append(((0 if in_long else n_long) + bb % band, tuple(range(hk * group, (hk + 1) * group))))
+    return blocks
 
 
 def head_blocks(items, hq, row_order):
@@ -105,11 +121,17 @@ def main() -> None:
                  for order, kids_first, heads_inner in itertools.product(("item", "kv-head"), (False, True), (False, True))]
     schedules += [(f"1 query head per CTA, {'row order' if row else 'heaviest first'}",
                    head_blocks(items, hq, row), False, False) for row in (False, True)]
+    # the committed lists: key tiles that outlast the grid split by query rows, grouped by response
+    # (cuda_backend.split_by_rows; its own item and range lists), in the kernel's band order
+    s_items, s_ranges = ws_kv_work(SegmentTable.from_group_lengths([(p, [r] * n)]), split=(hkv, group, 132))
     print(f"(N, P, R) = ({n}, {p}, {r}), Hq = {hq}, Hkv = {hkv}: miss rate of the (Q/dO + dQ) tiles")
     print("| grid / block order | ranges | heads | 25 MB | 35 MB | 25 MB, jitter 0.15 |")
     print("|---|---|---|---|---|---|")
+    schedules.append(("committed (bands, split by rows when a tile outlasts the grid)",
+                      banded_blocks(s_items, hkv, group), False, False))
     for name, blocks, kids_first, heads_inner in schedules:
-        rates = [miss_rate(items, ranges, blocks, kids_first, heads_inner, mb, jit)
+        its, rgs = (s_items, s_ranges) if name.startswith("committed") else (items, ranges)
+        rates = [miss_rate(its, rgs, blocks, kids_first, heads_inner, mb, jit)
                  for mb, jit in ((25, 0.05), (35, 0.05), (25, 0.15))]
         walk = "-" if len(blocks[0][1]) == 1 else ("inner" if heads_inner else "outer")
         print(f"| {name} | {'children first' if kids_first else 'own first'} | {walk} | "
