@@ -30,7 +30,6 @@
 // up front, then each consumer passes the turn after each of its n issue sections, except
 // consumer 1 after its last one, so both barriers see equal sync and arrive counts.
 
-#include <algorithm>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -78,10 +77,8 @@ struct Smem {
   static constexpr int kK = kQ + kBQ * D * (int)sizeof(T);
   static constexpr int kV = kK + kStages * kBK * D * (int)sizeof(T);
   static constexpr int kBar = kV + kStages * kBK * D * (int)sizeof(T);
-  // q_full, k_full[], v_full[], k_empty[], v_empty[], q_empty; then the tile slot (int)
-  static constexpr int kBarCount = 2 + 4 * kStages;
-  static constexpr int kTile = kBar + 8 * kBarCount;
-  static constexpr int kBytes = kTile + 8 + 1024;
+  static constexpr int kBarCount = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+  static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -118,12 +115,8 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 // the kernel
 // ---------------------------------------------------------------------------------------------
 
-// kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely.
-// kPersistent: one CTA per SM walks tiles (blockIdx.x, then a.tile_counter's) until none is left;
-// the producer loads the next tile's Q as soon as both consumers' last S MMA of the current one has
-// completed (q_empty), and its first K/V tiles as ring stages free up, so a short tile's start
-// hides behind the previous tile's last P V product and epilogue. false: one tile per CTA.
-template <typename T, int D, bool kPingPong, bool kPersistent>
+// kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely
+template <typename T, int D, bool kPingPong>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, FwdArgs a) {
@@ -133,47 +126,34 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   T* sQ = reinterpret_cast<T*>(base + L::kQ);
   T* sK = reinterpret_cast<T*>(base + L::kK);
   T* sV = reinterpret_cast<T*>(base + L::kV);
-  volatile int* sTile = reinterpret_cast<volatile int*>(base + L::kTile);
   const uint32_t bar0 = smem_addr(reinterpret_cast<void*>(base + L::kBar));
   const uint32_t q_full = bar0;
   auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
   auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
   auto k_empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
   auto v_empty = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
-  const uint32_t q_empty = bar0 + 8u * (1 + 4 * kStages);
-  // g counts the K/V tiles this CTA has streamed (over all its tiles): tile g lives in stage
-  // g % kStages, and u = g / kStages counts that stage's uses
-  auto stage = [](int g) { return g % kStages; };
-  auto parity = [](int g) { return (uint32_t)((g / kStages) & 1); };
+  auto stage = [](int t) { return t % kStages; };
+  auto parity = [](int t) { return (uint32_t)((t / kStages) & 1); };  // of key tile t's use of its stage
 
   // kv-head-major block order (kv head, item, query head of its group): the CTAs resident at once
   // stream one kv head's K/V, so L2 keeps it (item-major, all 8 kv heads' K/V competed: on
-  // (16, 65536, 2048) 131 GB of DRAM reads instead of 5, the forward 5 % slower; docs/PERF.md).
-  // A persistent CTA takes its tiles in that order too (from a counter).
+  // (16, 65536, 2048) 131 GB of DRAM reads instead of 5, the forward 5 % slower; docs/PERF.md)
   const int group = a.hq / a.hkv;
   const int per_hk = a.num_items * group;
-  const int n_tiles = a.num_items * a.hq;
-  struct Tile {
-    int hk, h, q0, q1, self0, par0, par1, qloc, n_par, n_total;
-  };
-  auto tile_of = [&](int b) {
-    Tile t;
-    t.hk = b / per_hk;
-    t.h = t.hk * group + b % group;
-    const int* w = a.work + ((b % per_hk) / group) * 8;
-    t.q0 = w[0], t.q1 = w[1], t.self0 = w[2], t.par0 = w[3], t.par1 = w[4], t.qloc = w[6];
-    t.n_par = (t.par1 - t.par0 + kBK - 1) / kBK;
-    t.n_total = t.n_par + (t.q1 - t.self0 + kBK - 1) / kBK;  // >= 1: q0 >= self0, q1 > q0
-    return t;
-  };
-  auto kv_start = [](const Tile& t, int i) { return i < t.n_par ? t.par0 + i * kBK : t.self0 + (i - t.n_par) * kBK; };
+  const int hk = (int)(blockIdx.x / per_hk);
+  const int item = (int)(blockIdx.x % per_hk) / group;
+  const int h = hk * group + (int)(blockIdx.x % group);
+  const int* w = a.work + item * 8;
+  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4], qloc = w[6];
+  const int n_par = (par1 - par0 + kBK - 1) / kBK;
+  const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // >= 1: q0 >= self0, q1 > q0
+  auto kv_start = [&](int t) { return t < n_par ? par0 + t * kBK : self0 + (t - n_par) * kBK; };
 
   // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
-    mbar_init(q_empty, 8);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
@@ -193,38 +173,22 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       prefetch_map(&tm_k);
       prefetch_map(&tm_v);
       constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
-      int b = blockIdx.x, g = 0;
-      for (int j = 0;; ++j) {
-        // tile j - 1's Q is free (both consumers' S MMAs completed) and its slot read
-        if (j > 0) mbar_wait(q_empty, (j - 1) & 1);
-        *sTile = b < n_tiles ? b : -1;
-        if (b >= n_tiles) {
-          mbar_arrive(q_full);  // no bytes: the consumers wake, read -1 and stop
-          break;
-        }
-        const Tile t = tile_of(b);
-        mbar_expect_tx(q_full, kBQ * D * sizeof(T));  // its arrival publishes the slot (release)
+      mbar_expect_tx(q_full, kBQ * D * sizeof(T));
 #pragma unroll
-        for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, t.h, t.qloc);
-        for (int i = 0; i < t.n_total; ++i, ++g) {
-          const int st = stage(g), k0 = kv_start(t, i);
-          // stage st last held K/V tile g - kStages: wait until both consumers released it
-          if (g >= kStages) mbar_wait(k_empty(st), parity(g) ^ 1);
-          mbar_expect_tx(k_full(st), kTileBytes);
+      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, qloc);
+      for (int t = 0; t < n_total; ++t) {
+        const int st = stage(t), k0 = kv_start(t);
+        // stage st last held key tile t - kStages: wait until both consumers released it
+        if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
+        mbar_expect_tx(k_full(st), kTileBytes);
 #pragma unroll
-          for (int p = 0; p < D / 64; ++p)
-            tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), &tm_k, k_full(st), p * 64, t.hk, k0);
-          if (g >= kStages) mbar_wait(v_empty(st), parity(g) ^ 1);
-          mbar_expect_tx(v_full(st), kTileBytes);
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), &tm_k, k_full(st), p * 64, hk, k0);
+        if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
+        mbar_expect_tx(v_full(st), kTileBytes);
 #pragma unroll
-          for (int p = 0; p < D / 64; ++p)
-            tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), &tm_v, v_full(st), p * 64, t.hk, k0);
-        }
-        if constexpr (!kPersistent) break;
-        // the next tile is taken only now, kStages K/V tiles before this one ends: taken when the
-        // tile started, a CTA that had just begun a long tile held the next one back from idle
-        // SMs (the published shapes' forward 12-15 % slower, docs/PERF.md thirteenth session)
-        b = (int)gridDim.x + atomicAdd(a.tile_counter, 1);
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), &tm_v, v_full(st), p * 64, hk, k0);
       }
     }
     return;
@@ -234,110 +198,87 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   regs_inc<kConsumerRegs>();
   const int cw = role - 1;  // consumer 0 / 1: query rows q0 + 64 * cw ...
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int row_w0 = q0 + cw * 64;
+  const int row_a = row_w0 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
   const T* sQw = sQ + cw * 64 * 64;
   const float sl2 = a.scale_log2;
   const int my_bar = kSchedBar + cw, other_bar = kSchedBar + (cw ^ 1);
 
   float o[D / 2];
-  float m[2], l[2], alpha[2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
   float s[kBK / 2];
   uint32_t pa[kBK / 16][4];
 
-  int g = 0;  // K/V tiles consumed so far, as the producer counts them
-  for (int j = 0;; ++j) {
-    mbar_wait(q_full, j & 1);
-    // read through a shuffle, the slot is warp-uniform to the compiler: the tile's fields, the ring
-    // position and so the wgmma descriptors stay in uniform registers (a plain shared load left
-    // them in vector registers, an R2UR before every HGMMA, and the loop ran 12 % slower)
-    const int b = __shfl_sync(0xffffffffu, *sTile, 0);
-    if (b < 0) break;
-    const Tile t = tile_of(b);
-    const int n_total = t.n_total;
-    const int row_w0 = t.q0 + cw * 64;
-    const int row_a = row_w0 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    m[0] = m[1] = -INFINITY;
-    l[0] = l[1] = 0.f;
+  mbar_wait(q_full, 0);
+  if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
 
-    // the turns start afresh in every tile: consumer 1 arrives once up front, then each passes
-    // the turn after each issue section, except consumer 1 after its last one (equal counts)
-    if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
+  // tile 0: S only
+  mbar_wait(k_full(0), 0);
+  if (kPingPong) named_sync(my_bar, 256);
+  wg_fence();
+  wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
+  wg_commit();
+  if (kPingPong && (cw == 0 || n_total > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
+  wg_wait<0>();
+  reg_fence(s);
+  if (lane == 0) mbar_arrive(k_empty(0));
+  softmax_step(s, m, l, alpha, kv_start(0), n_par > 0, par1, row_a, row_w0, lane, sl2);
 
-    // K/V tile 0: S only
-    mbar_wait(k_full(stage(g)), parity(g));
+  // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
+  // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
+  // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
+  // SASS), which serializes them again; the loop back edge keeps it below.
+  for (int t = 1; t < n_total; ++t) {
+    const int st = stage(t), sp = stage(t - 1);
+    wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
+    reg_fence(o);
+    reg_fence_u(pa);
+    if (lane == 0 && t >= 2) mbar_arrive(v_empty(stage(t - 2)));
+    rescale<D>(o, alpha);
+    pack_frags<T, kBK>(pa, s);
+    mbar_wait(k_full(st), parity(t));
+    mbar_wait(v_full(sp), parity(t - 1));
     if (kPingPong) named_sync(my_bar, 256);
+    reg_fence(o);
+    reg_fence_u(pa);
     wg_fence();
-    wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + stage(g) * kBK * D);
+    wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + st * kBK * D);
     wg_commit();
-    if (kPingPong && (cw == 0 || n_total > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
-    wg_wait<0>();
+    wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sp * kBK * D);
+    wg_commit();
+    if (kPingPong && (cw == 0 || t + 1 < n_total)) named_arrive(other_bar, 256);
+    wg_wait<1>();  // S_t complete, P V still running
     reg_fence(s);
-    if (lane == 0) {
-      mbar_arrive(k_empty(stage(g)));
-      if (n_total == 1) mbar_arrive(q_empty);  // this tile's last S MMA has read Q
-    }
-    softmax_step(s, m, l, alpha, kv_start(t, 0), t.n_par > 0, t.par1, row_a, row_w0, lane, sl2);
-
-    // Steady state: S_i and O += P_{i-1} V_{i-1} in flight together; the softmax of S_i runs under
-    // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
-    // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
-    // SASS), which serializes them again; the loop back edge keeps it below.
-    for (int i = 1; i < n_total; ++i) {
-      const int st = stage(g + i), sp = stage(g + i - 1);
-      wg_wait<0>();  // O += P_{i-2} V_{i-2} complete (nothing pending when i = 1)
-      reg_fence(o);
-      reg_fence_u(pa);
-      if (lane == 0 && i >= 2) mbar_arrive(v_empty(stage(g + i - 2)));
-      rescale<D>(o, alpha);
-      pack_frags<T, kBK>(pa, s);
-      mbar_wait(k_full(st), parity(g + i));
-      mbar_wait(v_full(sp), parity(g + i - 1));
-      if (kPingPong) named_sync(my_bar, 256);
-      reg_fence(o);
-      reg_fence_u(pa);
-      wg_fence();
-      wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + st * kBK * D);
-      wg_commit();
-      wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sp * kBK * D);
-      wg_commit();
-      if (kPingPong && (cw == 0 || i + 1 < n_total)) named_arrive(other_bar, 256);
-      wg_wait<1>();  // S_i complete, P V still running
-      reg_fence(s);
-      if (lane == 0) {
-        mbar_arrive(k_empty(st));
-        if (i + 1 == n_total) mbar_arrive(q_empty);
-      }
-      softmax_step(s, m, l, alpha, kv_start(t, i), i < t.n_par, t.par1, row_a, row_w0, lane, sl2);
-    }
-
-    // the last two P V products
-    {
-      wg_wait<0>();
-      reg_fence(o);
-      reg_fence_u(pa);
-      if (lane == 0 && n_total >= 2) mbar_arrive(v_empty(stage(g + n_total - 2)));
-      rescale<D>(o, alpha);
-      pack_frags<T, kBK>(pa, s);
-      const int sl = stage(g + n_total - 1);
-      mbar_wait(v_full(sl), parity(g + n_total - 1));
-      reg_fence(o);
-      reg_fence_u(pa);
-      wg_fence();
-      wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sl * kBK * D);
-      wg_commit();
-      wg_wait<0>();
-      reg_fence(o);
-      if (lane == 0) mbar_arrive(v_empty(sl));
-    }
-
-    // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
-    const long qs = (long)a.hq * D, shift = (long)t.qloc - t.q0;
-    store_out_lse<T, D>(reinterpret_cast<T*>(a.out) + t.h * D + shift * qs, qs, a.lse + (long)t.h * a.Tq + shift,
-                        row_a, t.q1, lane, o, m, l);
-    g += n_total;
-    if constexpr (!kPersistent) break;
+    if (lane == 0) mbar_arrive(k_empty(st));
+    softmax_step(s, m, l, alpha, kv_start(t), t < n_par, par1, row_a, row_w0, lane, sl2);
   }
+
+  // the last two P V products
+  {
+    wg_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+    if (lane == 0 && n_total >= 2) mbar_arrive(v_empty(stage(n_total - 2)));
+    rescale<D>(o, alpha);
+    pack_frags<T, kBK>(pa, s);
+    const int sl = stage(n_total - 1);
+    mbar_wait(v_full(sl), parity(n_total - 1));
+    reg_fence(o);
+    reg_fence_u(pa);
+    wg_fence();
+    wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sl * kBK * D);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(o);
+    if (lane == 0) mbar_arrive(v_empty(sl));
+  }
+
+  // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
+  const long qs = (long)a.hq * D, shift = (long)qloc - q0;
+  store_out_lse<T, D>(reinterpret_cast<T*>(a.out) + h * D + shift * qs, qs, a.lse + (long)h * a.Tq + shift, row_a,
+                      q1, lane, o, m, l);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -347,30 +288,18 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 template <typename T, int D>
 static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
   using L = Smem<T, D>;
-  // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings);
-  // persistent CTAs when the caller passes a zeroed tile counter
+  // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings)
   const char* pp = std::getenv("MEGATRON_DUALKV_WS_PINGPONG");
-  const bool turns = !(pp && std::atoi(pp) == 0), persistent = a.tile_counter != nullptr;
-  auto k = turns ? (persistent ? fwd_ws_kernel<T, D, true, true> : fwd_ws_kernel<T, D, true, false>)
-                 : (persistent ? fwd_ws_kernel<T, D, false, true> : fwd_ws_kernel<T, D, false, false>);
+  auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false> : fwd_ws_kernel<T, D, true>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
-  const long n_tiles = (long)a.num_items * a.hq;
-  long grid = n_tiles;
-  if (persistent) {
-    int dev = 0, sms = 0;
-    if ((e = cudaGetDevice(&dev)) != cudaSuccess ||
-        (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
-      return e;
-    grid = std::min<long>(n_tiles, sms);  // one CTA per SM (224 KB of shared memory each)
-  }
   CUtensorMap mq, mk, mv;
   const int es = (int)sizeof(T);
   if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
       !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
-  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a);
+  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a);
   return cudaGetLastError();
 }
 

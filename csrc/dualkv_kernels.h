@@ -18,7 +18,6 @@ struct FwdArgs {
   int T, hq, hkv;
   int Tq;  // rows of q / out / lse: T, or fewer for local queries (ws forward only: item field 6)
   float scale, scale_log2;
-  int* tile_counter = nullptr;  // ws forward: zeroed int -> persistent CTAs (one per SM); null: one tile per CTA
 };
 
 struct DeltaArgs {

@@ -44,15 +44,7 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   check_ws_qkv(q, k, v);
   check_work(row_work, q, "row_work", 8);
   c10::cuda::CUDAGuard guard(q.device());
-  FwdCall c = fwd_call(q, k, v, row_work, scale);
-  // persistent CTAs take their tiles from a zeroed counter; MEGATRON_DUALKV_WS_FWD_PERSISTENT=0:
-  // one tile per CTA (an A/B switch)
-  const char* persistent = std::getenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT");
-  at::Tensor tile_counter;
-  if (!(persistent && std::atoi(persistent) == 0)) {
-    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
-    c.args.tile_counter = tile_counter.data_ptr<int>();
-  }
+  const FwdCall c = fwd_call(q, k, v, row_work, scale);
   auto err = mdkv::launch_fwd_ws_sm90(c.args, dtype_code(q), q.size(2), at::cuda::getCurrentCUDAStream());
   check_launch(err, "fwd_ws_sm90", true);
   return {c.out, c.lse};

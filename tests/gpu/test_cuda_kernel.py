@@ -180,7 +180,6 @@ IMPLS = {
     "sm90-dq-kernel": ("sm90", "sm90"),  # the dQ kernel (the deterministic path) in fast mode
     "wsfwd": ("ws", "sm90"),
     "wsfwd-no-pingpong": ("ws", "sm90"),  # consumers issuing without turns
-    "wsfwd-one-tile-per-cta": ("ws", "sm90"),  # not persistent (MEGATRON_DUALKV_WS_FWD_PERSISTENT=0)
     "wsbwd": ("sm90", "ws"),
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
@@ -198,8 +197,6 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
     if impl == "wsfwd-no-pingpong":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PINGPONG", "0")
-    if impl == "wsfwd-one-tile-per-cta":
-        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "0")
     if impl == "wsbwd-no-turns":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_TURNS", "0")
     if impl == "wsbwd-atomic-dq":
@@ -258,25 +255,6 @@ def test_forward_kernels_agree(variant, d, monkeypatch):
     ex_out, ex_lse = exact(q, k, v, q, seg, 0.08)[:2]
     assert rel(a_out, ex_out) <= rel(b_out, ex_out) * 1.05
     assert (a_lse - b_lse).abs().max().item() < 1e-3
-
-
-@gpu
-@pytest.mark.parametrize("d", [128, 64])
-def test_ws_forward_persistent_is_bitwise_one_tile_per_cta(d, monkeypatch):
-    """The persistent ws forward (CTAs that take tile after tile from a counter, many tiles per CTA
-    here: 40 query tiles x 32 heads on at most 132 CTAs) computes every tile exactly as the one
-    tile per CTA launch does: out and lse bitwise equal, every row written (poisoned outputs would
-    differ)."""
-    seg = make_segments([(1000, [1, 129, 700, 2048]), (3, [2] * 5), (130, [200] * 8)], pad=9)
-    q, k, v, _ = inputs(seg.num_tokens, 32, 8, d, torch.bfloat16, seed=random.randrange(1 << 20))
-    poison_allocator(8 * q.numel() * q.element_size() + (64 << 20))
-    a_out, a_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="ws")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "0")
-    poison_allocator(8 * q.numel() * q.element_size() + (64 << 20))
-    b_out, b_lse = cuda_backend.forward(q, k, v, seg, 0.08, fwd_impl="ws")
-    assert torch.isfinite(a_out).all() and torch.isfinite(a_lse).all()
-    assert torch.equal(a_out, b_out), f"out differs: rel {rel(a_out, b_out):.3e}"
-    assert torch.equal(a_lse, b_lse), f"lse differs: max {(a_lse - b_lse).abs().max().item():.3e}"
 
 
 @gpu
