@@ -138,6 +138,16 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _group_by_segment(items: list, segment, work) -> list:
+    """items ordered by segment(item): the segment with the heaviest item (by work) first, the
+    heaviest item first inside one (longest-processing-time order over segments). The work lists
+    keep a segment's items together so that the CTAs resident at once share its rows in L2."""
+    heaviest: dict[int, int] = {}
+    for it in items:
+        heaviest[segment(it)] = max(heaviest.get(segment(it), 0), work(it))
+    return sorted(items, key=lambda it: (-heaviest[segment(it)], segment(it), -work(it), it[0]))
+
+
 # Query chunks: the packed rows q holds, as (packed row a, packed row b, local row of a) for each
 # contiguous run; the whole micro-batch is the one chunk (0, T, 0). A context-parallel rank holds
 # a few runs (its CP chunks, cp/partition.py).
@@ -218,11 +228,7 @@ def row_items(segments: SegmentTable, row_tile: int = TILE, chunks: Optional[Que
             for q0 in range(lo, hi, row_tile):
                 q1 = min(q0 + row_tile, hi)
                 items.append([q0, q1, a, par0, par1, npar + _ceil(q1 - a, TILE), loc + q0 - lo, 0])
-    heaviest: dict[int, int] = {}
-    for it in items:
-        heaviest[it[2]] = max(heaviest.get(it[2], 0), it[5])
-    items.sort(key=lambda r: (-heaviest[r[2]], r[2], -r[5], r[0]))
-    return items
+    return _group_by_segment(items, lambda it: it[2], lambda it: it[5])
 
 
 def kv_items(segments: SegmentTable, kv_tile: int = TILE) -> tuple[list, list]:
@@ -306,15 +312,17 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
             out.append([it[0], it[1], rlo, len(ranges), sum(_ceil(b - a, TILE) for a, b, _, _ in part), 0,
                         sum(_ceil(b - a, WS_BWD_WIDE_TILE) for a, b, _, _ in part), (slots << 12) | len(parts)])
         slots += 1
-    seg_of = lambda row: bisect.bisect_right(starts, row) - 1  # noqa: E731
-    first = lambda it: seg_of(next((r[0] for r in ranges[it[2]:it[3]] if not r[3]), it[0]))  # noqa: E731
-    heaviest = {}
-    for it in out:
-        heaviest[first(it)] = max(heaviest.get(first(it), 0), cta(it))
-    out.sort(key=lambda it: (-heaviest[first(it)], first(it), -cta(it), it[0]))
+    out = _group_by_segment(out, lambda it: _walked_segment(it, ranges, starts), cta)
     for it in out:
         it[5] = 0
     return out, ranges
+
+
+def _walked_segment(item: list, ranges: list, starts: list) -> int:
+    """The segment whose rows a kv item walks first among its children's (a root's key tile, a
+    part), else its own (a response's key tile): its index in the sorted segment starts."""
+    row = next((r[0] for r in ranges[item[2]:item[3]] if not r[3]), item[0])
+    return bisect.bisect_right(starts, row) - 1
 
 
 def _row_parts(rs: list, starts: list, cap: int) -> list:
@@ -362,9 +370,9 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     one item per key tile, also when no held query attends it: its dK, dV
     are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
-    segment from k0 on (causal) and the children of a root. Heaviest first; the first n_long
-    items (at least 1/LONG_BAND of the heaviest's work) are the kernel's first band: their CTAs
-    of every kv head start before any other item's. split = (hkv, group, SMs): key tiles that would
+    segment from k0 on (causal) and the children of a root. The first n_long items (at least
+    1/LONG_BAND of the heaviest's work, heaviest first) are the kernel's first band: their CTAs
+    of every kv head start before any other item's; the rest follow grouped by segment. split = (hkv, group, SMs): key tiles that would
     outlast the grid are split by query rows (`split_by_rows`, which also reorders the list)."""
     _check_depth(segments)
     children = _child_ranges(segments)
@@ -381,6 +389,14 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
             items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, wide, 0])
     items.sort(key=lambda r: -r[4])
     _mark_long_band(items, lambda it: it[4])
+    # the second band grouped by segment: each response's key tiles together (heaviest first inside
+    # one) instead of key tile 0 of every response, then key tile 1 of every response, ...: the
+    # H100 backward of (28, 4096, R) 1.6-2 % faster, the other published shapes within +-0.7 %
+    # (docs/PERF.md, thirteenth session)
+    n_long = items[0][5] if items else 0
+    starts = sorted(segments.host_start)
+    items[n_long:] = _group_by_segment(items[n_long:], lambda it: _walked_segment(it, ranges, starts),
+                                       lambda it: it[4])
     ranges = [list(r) for r in ranges]
     if split is not None:
         items, ranges = split_by_rows(items, ranges, segments.host_start, *split)

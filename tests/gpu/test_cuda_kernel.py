@@ -514,9 +514,9 @@ def test_ws_work_lists_cover_the_held_queries_once(seed, local):
 @pytest.mark.parametrize("groups", [[(4096, [2048] * 28)], [(700, [5, 300]), (3000, [64] * 9), (40, [1])]])
 def test_ws_kv_items_name_their_long_band(groups):
     """Field 5 of every ws kv item is n_long: items 0..n_long-1 (heaviest first) carry at least
-    1/LONG_BAND of the heaviest item's query tiles, the rest less. The kernel starts the first
-    band's CTAs of every kv head before any other; for a GRPO group whose responses are short
-    next to its prompt that band is exactly the prompt's key tiles."""
+    1/LONG_BAND of the heaviest item's query tiles, the rest less, grouped by segment. The kernel
+    starts the first band's CTAs of every kv head before any other; for a GRPO group whose
+    responses are short next to its prompt that band is exactly the prompt's key tiles."""
     seg = make_segments(groups, device="cpu")
     items, _ = cuda_backend.ws_kv_work(seg)
     n_long = items[0][5]
@@ -524,6 +524,15 @@ def test_ws_kv_items_name_their_long_band(groups):
     heaviest = items[0][4]
     assert all(it[4] * cuda_backend.LONG_BAND >= heaviest for it in items[:n_long])
     assert all(it[4] * cuda_backend.LONG_BAND < heaviest for it in items[n_long:])
+    assert [it[4] for it in items[:n_long]] == sorted((it[4] for it in items[:n_long]), reverse=True)
+    # the second band grouped by segment (a response's key tiles are neighbours), heaviest first inside one
+    starts = sorted(seg.host_start)
+    seg_of = [max(s for s in range(len(starts)) if starts[s] <= it[0]) for it in items[n_long:]]
+    runs = [g for i, g in enumerate(seg_of) if i == 0 or seg_of[i - 1] != g]
+    assert len(runs) == len(set(runs)), "the key tiles of one segment are not neighbours in the second band"
+    for g in runs:
+        work = [it[4] for it, s in zip(items[n_long:], seg_of) if s == g]
+        assert work == sorted(work, reverse=True)
     if len(groups) == 1:
         p = groups[0][0]
         assert sorted(it[0] for it in items[:n_long]) == list(range(0, p, 128))
