@@ -15,28 +15,29 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench_kernel import D, HKV, HQ, group_segments, parse_shapes, randn  # tools/, beside this script
 from megatron_dualkv.layout import SegmentTable
 from megatron_dualkv.ops import cuda_backend, flex_backend
 
 
 def short_name(name: str, width: int = 70) -> str:
-    name = name.split("(")[0] if "<" not in name.split("(")[0] else name
+    """A kernel's name cut to `width` characters for the table (the sums are kept by full name)."""
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def run_once(backend: str, seg: SegmentTable, t: int) -> None:
-    mk = lambda h: torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    q, k, v, do = mk(32).requires_grad_(), mk(8).requires_grad_(), mk(8).requires_grad_(), mk(32)
+    q, k, v = (randn(t, h, D).requires_grad_() for h in (HQ, HKV, HKV))
+    do = randn(t, HQ, D)
     if backend == "cuda":
-        out = cuda_backend.attention(q, k, v, seg, 128 ** -0.5)
+        out = cuda_backend.attention(q, k, v, seg, D ** -0.5)
     else:
-        out = flex_backend.attention(q, k, v, seg, 128 ** -0.5, kernel={"flex-flash": "FLASH", "flex-triton": "TRITON"}[backend])
+        out = flex_backend.attention(q, k, v, seg, D ** -0.5, kernel={"flex-flash": "FLASH", "flex-triton": "TRITON"}[backend])
     out.backward(do)
 
 
 def breakdown(shape: tuple, backend: str, reps: int) -> None:
     n, p, r = shape
-    seg = SegmentTable.from_group_lengths([(p, [r] * n)], device="cuda")
+    seg = group_segments(n, p, r)
     t = seg.num_tokens
     for _ in range(2):
         run_once(backend, seg, t)
@@ -45,17 +46,19 @@ def breakdown(shape: tuple, backend: str, reps: int) -> None:
         for _ in range(reps):
             run_once(backend, seg, t)
         torch.cuda.synchronize()
+    # summed by full name: cut at the first "(", every kernel of an anonymous namespace
+    # ("void at::native::(anonymous namespace)::...") fell into one row
     per_kernel = collections.Counter()
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[short_name(ev.name)] += ev.device_time_total / 1000 / reps  # us -> ms per run
+            per_kernel[ev.name] += ev.device_time_total / 1000 / reps  # us -> ms per run
     total = sum(per_kernel.values())
     print(f"\n(N, P, R) = ({n}, {p}, {r}), T = {t}, {backend}: {total:.3f} ms of GPU kernels per forward + backward "
           f"(mean of {reps}; includes the random inputs' generation)")
     print("| kernel | ms per run | share |")
     print("|---|---|---|")
     for name, ms in per_kernel.most_common():
-        print(f"| `{name}` | {ms:.3f} | {100 * ms / total:.1f} % |")
+        print(f"| `{short_name(name)}` | {ms:.3f} | {100 * ms / total:.1f} % |")
 
 
 def main() -> None:
@@ -64,8 +67,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backend", default="cuda", choices=("cuda", "flex-flash", "flex-triton"))
     args = ap.parse_args()
-    for text in args.shapes.split(","):
-        breakdown(tuple(int(x) for x in text.split("x")), args.backend, args.reps)
+    for shape in parse_shapes(args.shapes):
+        breakdown(shape, args.backend, args.reps)
 
 
 if __name__ == "__main__":

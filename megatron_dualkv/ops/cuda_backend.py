@@ -142,10 +142,12 @@ def _group_by_segment(items: list, segment, work) -> list:
     """items ordered by segment(item): the segment with the heaviest item (by work) first, the
     heaviest item first inside one (longest-processing-time order over segments). The work lists
     keep a segment's items together so that the CTAs resident at once share its rows in L2."""
+    keys = [(segment(it), work(it)) for it in items]
     heaviest: dict[int, int] = {}
-    for it in items:
-        heaviest[segment(it)] = max(heaviest.get(segment(it), 0), work(it))
-    return sorted(items, key=lambda it: (-heaviest[segment(it)], segment(it), -work(it), it[0]))
+    for seg, w in keys:
+        heaviest[seg] = max(heaviest.get(seg, 0), w)
+    order = sorted(range(len(items)), key=lambda i: (-heaviest[keys[i][0]], keys[i][0], -keys[i][1], items[i][0]))
+    return [items[i] for i in order]
 
 
 # Query chunks: the packed rows q holds, as (packed row a, packed row b, local row of a) for each
@@ -299,7 +301,7 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
         return items, ranges
     cap = max(_SPLIT_CUT, int((WS_SPLIT_AT * ideal - WS_CTA_OVERHEAD) / group / 2) * TILE // _SPLIT_CUT * _SPLIT_CUT)
     starts = sorted(seg_starts)
-    ranges = [list(r) for r in ranges]
+    ranges = list(ranges)  # the parts' ranges are appended to a copy
     out, slots = [], 0
     for it in items:
         parts = _row_parts([ranges[r] for r in range(it[2], it[3])], starts, cap) if cta(it) > WS_SPLIT_AT * ideal else []
