@@ -1,8 +1,9 @@
 // DualKV backward dK/dV + dQ for Hopper (sm_90a), warp-specialized ("ws"): the default backward
 // in fast mode (deterministic=True runs the sm90 kernels).
 //
-// Same math and per-CTA accumulation order of dK/dV as dkdv_kernel<..., kAtomicDQ = true> in
-// dualkv_bwd_sm90.cu (one CTA per 128-row key tile and kv head, walking every query head of the
+// Same math as dkdv_kernel<..., kAtomicDQ = true> in dualkv_bwd_sm90.cu, and the same per-CTA
+// accumulation order of dK/dV where no walk is phase-aligned or split (field 7 below) (one CTA
+// per 128-row key tile and kv head, walking every query head of the
 // GQA group and every query tile that attends the keys), restructured like the ws forward. Query
 // tiles ("steps") of QT = 64 rows, or 80 at head dim 128 (the default there, "wide steps"; dK/dV
 // stay bitwise equal: the MMAs still add 16-row slices in the same order). Wide steps differ in
@@ -13,7 +14,8 @@
 // resident at once share one kv head's query tiles and dQ rows in L2, in two bands: the long key
 // tiles of every kv head first, then the others (the block mapping below).
 // Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, n_long, wide_tiles_per_head,
-// 0] (query tiles of 64 and of kWideQT rows per head); the query
+// split] (query tiles of 64 and of kWideQT rows per head; split: 0, a part of a key tile split by
+// query rows (> 0), or a phase-aligned walk (< 0), see where it is read); the query
 // rows that attend keys k0..k1 are the ranges rlo..rhi of a.ranges, 4 int32 each:
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
@@ -217,7 +219,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // where one CTA walking all its rows would outlast the rest of the grid) into `parts` items of
   // which this is one; it sums its dK/dV into the fp32 workspace of `slot` (epilogue below)
   // (step i: query head hk * group + i / per_head, its query tile i % per_head)
-  const int split = w[7];
+  // or < 0: -1 - phase slot, the walk of a root's key tile whose child ranges come first and are
+  // walked from the step other CTAs of this kv head walk now (below)
+  const int split = w[7] > 0 ? w[7] : 0;
+  const int phase_slot = w[7] < 0 ? -1 - w[7] : -1;
   const int n_iter = per_head * group;
 
   // query tile i of a head: packed rows q0..qend (QT at most used), held from local row ql. Only
@@ -273,11 +278,37 @@ __global__ void __launch_bounds__(kThreadsB, 1)
           tma_load(smem_addr(sV + p * kKVB * 64), &tm_v, kv_full, p * 64, hk, k0);
         }
       }
+      // Phase-aligned walks: the resident CTAs of one kv head all walk the same children (a GRPO
+      // group's responses) of the prompt's key tiles. Each head's walk over them starts at the
+      // child step another CTA of this kv head published last and goes round, so the CTAs stay on
+      // the same query rows however their own (causal) walks and start times differ, and the
+      // rows' Q, dO and dQ are read and reduced in L2 while the others still need them. The walk
+      // still covers every child step once; only the order (and the dQ sum order) changes.
+      int* phase = phase_slot >= 0 ? a.phase + phase_slot * a.hkv + hk : nullptr;
+      int n_kid = 0;  // leading child steps of a head's walk
+      if (phase)
+        for (int r = rlo; r < rhi; ++r) {
+          const int4 g = __ldg(ranges + r);
+          if (g.w) break;
+          n_kid += (g.y - g.x + QT - 1) / QT;
+        }
+      int kid_base = 0;
       for (int i = 0; i < n_iter; ++i) {
         const int st = stage(i);
         if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
         const int h = hk * group + i / per_head;
-        const int4 td = query_tile(i % per_head);
+        int j = i % per_head;
+        if (n_kid > 0 && j < n_kid) {
+          if (j == 0) {
+            int at = 0;
+            if (lane == 0) asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(at) : "l"(phase));
+            kid_base = (int)((unsigned)__shfl_sync(0xffffffffu, at, 0) % (unsigned)n_kid);
+          }
+          j += kid_base;
+          if (j >= n_kid) j -= n_kid;
+          if (lane == 0) asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(phase), "r"(j) : "memory");
+        }
+        const int4 td = query_tile(j);
         const int q0 = td.x, qend = td.y, ql = td.z;
         if (lane == 0) {
           sTd[i % kTdRing] = td;

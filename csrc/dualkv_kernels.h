@@ -57,6 +57,9 @@ struct DkvArgs : BwdInputs {
   // [slots, hkv, 2, 128, D] and int tickets [slots, hkv]; null when no item is split
   float* split_acc = nullptr;
   int* split_count = nullptr;
+  // ws backward, kv items with field 7 < 0: int [slots, hkv], the child step each phase slot's
+  // walks are at (any initial value: it only picks where a walk starts)
+  int* phase = nullptr;
   int num_items;
   int T, hq, hkv;
   int Tq;  // rows of q / dout / lse / delta / dq_acc: T, or fewer for local queries (ws only)

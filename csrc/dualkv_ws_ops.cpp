@@ -73,9 +73,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   auto dk = at::empty_like(k);
   auto dv = at::empty_like(v);
   auto delta = per_head_row_floats(q);
-  auto dq_acc = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  // the fp32 dQ sums, and behind them (zeroed by the same fill) the int phase slots [items, hkv]
+  // of the phase-aligned walks (kv item field 7 < 0; at most one slot per item)
+  auto acc = at::zeros({q.numel() + kv_work.size(0) * k.size(1)}, q.options().dtype(at::kFloat));
+  auto dq_acc = acc.narrow(0, 0, q.numel()).view(q.sizes());
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
   mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
+  ka.phase = reinterpret_cast<int*>(acc.data_ptr<float>() + q.numel());
   at::Tensor split_acc, split_count;  // dK/dV sums and tickets of the key tiles split by query rows
   if (split_slots > 0) {
     split_acc = at::zeros({split_slots, k.size(1), 2, 128, q.size(2)}, q.options().dtype(at::kFloat));

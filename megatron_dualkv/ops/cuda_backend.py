@@ -364,8 +364,28 @@ def split_slots(items: list) -> int:
     return len({it[7] >> 12 for it in items if it[7]})
 
 
+def _phase_walks(items: list, ranges: list) -> None:
+    """In place: every kv item with child ranges (a root's key tile) lists them before its own
+    and gets field 7 = -1 - slot, one slot per set of children (a group's responses), so the
+    kernel walks the children from the step the other CTAs of its kv head are at (the
+    phase-aligned walks of dkdv_ws_kernel)."""
+    slots: dict = {}
+    for it in items:
+        rs = ranges[it[2]:it[3]]
+        kids = [r for r in rs if not r[3]]
+        if kids:
+            ranges[it[2]:it[3]] = kids + [r for r in rs if r[3]]
+            it[7] = -1 - slots.setdefault(kids[0][0], len(slots))
+
+
+def ws_phase() -> bool:
+    """Phase-aligned walks in the ws backward (`_phase_walks`); MEGATRON_DUALKV_WS_PHASE=0
+    turns them off (own rows first, every walk from its first step; for A/B timings)."""
+    return os.environ.get("MEGATRON_DUALKV_WS_PHASE", "1") != "0"
+
+
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
-               split: Optional[tuple[int, int, int]] = None) -> tuple[list, list]:
+               split: Optional[tuple[int, int, int]] = None, phase: bool = False) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
     tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
     split: 0, or a part of a key tile split by query rows, `split_by_rows`;
@@ -375,7 +395,10 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     segment from k0 on (causal) and the children of a root. The first n_long items (at least
     1/LONG_BAND of the heaviest's work, heaviest first) are the kernel's first band: their CTAs
     of every kv head start before any other item's; the rest follow grouped by segment. split = (hkv, group, SMs): key tiles that would
-    outlast the grid are split by query rows (`split_by_rows`, which also reorders the list)."""
+    outlast the grid are split by query rows (`split_by_rows`, which also reorders the list).
+    phase: where nothing is split, a root's key tiles walk their children first, phase-aligned
+    (`_phase_walks`; the H100 backward's DRAM traffic about halved on the published shapes,
+    docs/PERF.md, fourteenth session)."""
     _check_depth(segments)
     children = _child_ranges(segments)
     items, ranges = [], []
@@ -402,6 +425,8 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     ranges = [list(r) for r in ranges]
     if split is not None:
         items, ranges = split_by_rows(items, ranges, segments.host_start, *split)
+    if phase and not split_slots(items):
+        _phase_walks(items, ranges)
     return items, ranges or [[0, 0, 0, 0]]
 
 
@@ -412,11 +437,11 @@ class Work:
     With query chunks (local queries) only the ws lists are built. split: `ws_kv_work`'s."""
 
     def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple[int, int, int]] = None):
+                 split: Optional[tuple[int, int, int]] = None, phase: bool = False):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
         self.rows128 = mk(row_items(segments, 128, chunks))
-        ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split)
+        ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
         self.ws_split_slots = split_slots(ws_items)
         if not self.local:
@@ -426,10 +451,10 @@ class Work:
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple[int, int, int]] = None) -> Work:
+                 split: Optional[tuple[int, int, int]] = None, phase: bool = False) -> Work:
     """The `Work` of a layout on a device (cached on the SegmentTable)."""
-    return segments.cached(("cuda_backend_work", str(device), chunks, split),
-                           lambda: Work(segments, device, chunks, split))
+    return segments.cached(("cuda_backend_work", str(device), chunks, split, phase),
+                           lambda: Work(segments, device, chunks, split, phase))
 
 
 def ws_split(q: Tensor, k: Tensor) -> Optional[tuple[int, int, int]]:
@@ -610,9 +635,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")
         chunks = cached_query_chunks(segments, q_rows)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    split = ws_split(q, k) if bi == "ws" and not deterministic else None
-    fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work_tensors(segments, q.device, chunks, split), fi,
-                                                               bi, bool(deterministic))
+    ws_bwd = bi == "ws" and not deterministic
+    split = ws_split(q, k) if ws_bwd else None
+    work = work_tensors(segments, q.device, chunks, split, ws_bwd and ws_phase())
+    fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi, bool(deterministic))
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
                                  slots)
 

@@ -185,6 +185,7 @@ IMPLS = {
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
     "wsbwd-qtile-64": ("sm90", "ws"),     # 64-row query steps at head dim 128 too (default there: 80)
     "wsbwd-no-split": ("sm90", "ws"),     # no key tile split by query rows (MEGATRON_DUALKV_WS_SPLIT=0)
+    "wsbwd-no-phase": ("sm90", "ws"),     # every walk from its first step, own rows first (MEGATRON_DUALKV_WS_PHASE=0)
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
@@ -205,6 +206,8 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_QTILE", "64")
     if impl == "wsbwd-no-split":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    if impl == "wsbwd-no-phase":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
     fwd, bwd = IMPLS[impl]
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
@@ -270,18 +273,22 @@ def test_deterministic_bitwise(impl):
 
 
 @gpu
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("walk", ["plain", "phase", "split"])
 @pytest.mark.parametrize("d", [128, 64])
-def test_wsbwd_dq_matches_sm90(d, split, monkeypatch):
+def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
     """The ws backward against the sm90 fast backward on the same forward, gradient by gradient:
-    without splits dk, dv bitwise (same per-CTA accumulation order); with this small grid's key
-    tiles split by query rows (their dK/dV summed in fp32 in another order) within bf16 rounding
-    and no worse than sm90's against float64; dq within bf16 rounding (fp32 atomics in another
-    order), against float64 no worse than sm90's. The layout has short key tiles of a prompt
-    followed by its responses (the ws kernel's TMA box then holds the responses' keys: the case its
-    first GPU run got wrong in dq only)."""
+    with neither splits nor phase-aligned walks dk, dv bitwise (same per-CTA accumulation order);
+    with the phase-aligned walks (the prompt's children first, from a step other CTAs publish) or
+    this small grid's key tiles split by query rows (their dK/dV summed in fp32 in another order)
+    within bf16 rounding and no worse than sm90's against float64; dq within bf16 rounding (fp32
+    atomics in another order), against float64 no worse than sm90's. The layout has short key
+    tiles of a prompt followed by its responses (the ws kernel's TMA box then holds the responses'
+    keys: the case its first GPU run got wrong in dq only)."""
+    split = walk == "split"
     if not split:
         monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    if walk == "plain":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
     seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [200] * 6)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
     slots = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k)).ws_split_slots if split else 0
@@ -289,7 +296,7 @@ def test_wsbwd_dq_matches_sm90(d, split, monkeypatch):
     ref = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="sm90")
     ws = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="ws")
     ex = exact(q, k, v, dout, seg, 0.1)
-    if split:
+    if walk != "plain":
         for name, i in (("dk", 3), ("dv", 4)):
             assert rel(ws[i], ref[i]) < 1e-2, f"{name}: rel {rel(ws[i], ref[i]):.3e} vs sm90"
             assert rel(ws[i], ex[i]) <= rel(ref[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
@@ -593,6 +600,41 @@ def test_ws_split_by_rows(groups, hkv, group, slots, local):
              for it in items]
     runs = [g for i, g in enumerate(first) if i == 0 or first[i - 1] != g]
     assert len(runs) == len(set(runs)), "the items of one segment are not neighbours"
+
+
+@pytest.mark.parametrize("groups, local", [
+    ([(4096, [2048] * 28)], False),
+    ([(700, [5, 300]), (3000, [64] * 9), (40, [1]), (9, [])], False),
+    ([(300, [90] * 6), (1000, [50, 3])], True),  # a context-parallel rank's rows
+])
+def test_ws_phase_walks(groups, local):
+    """With phase=True every key tile with children (a prompt's) lists its child ranges first and
+    its own after them, the same (key tile, query row) pairs as without; field 7 = -1 - slot, one
+    slot per prompt, numbered from 0; the other items are unchanged. A list that splits keeps its
+    split (phase needs every CTA of a prompt to walk the same child steps)."""
+    seg = make_segments(groups, device="cpu")
+    chunks = random_chunks(seg.num_tokens, random.Random(3))[1] if local else None
+    plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks)
+    items, ranges = cuda_backend.ws_kv_work(seg, chunks, phase=True)
+    assert [it[:7] for it in items] == [it[:7] for it in plain]
+    slot_of = {}
+    for it, old in zip(items, plain):
+        rs, old_rs = ranges[it[2]:it[3]], plain_ranges[old[2]:old[3]]
+        assert sorted(map(tuple, rs)) == sorted(map(tuple, old_rs))
+        kids = [r for r in rs if not r[3]]
+        if not kids:
+            assert it[7] == 0 and rs == old_rs
+            continue
+        assert rs == kids + [r for r in rs if r[3]], f"key tile {it[0]}: own rows before its children"
+        assert it[7] < 0
+        prompt = max(s for s in seg.host_start if s <= it[0])
+        assert slot_of.setdefault(prompt, -1 - it[7]) == -1 - it[7], f"two slots for the prompt at {prompt}"
+    assert sorted(slot_of.values()) == list(range(len(slot_of))) and len(slot_of) == len(set(slot_of.values()))
+    assert set(slot_of) == {max(s for s in seg.host_start if s <= it[0]) for it in plain
+                            if any(not r[3] for r in plain_ranges[it[2]:it[3]])}
+    split = cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132))
+    if cuda_backend.split_slots(split[0]):
+        assert cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132), phase=True) == split
 
 
 def test_query_chunks_reject_bad_rows():
