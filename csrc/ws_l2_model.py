@@ -15,7 +15,9 @@ schedule, for a 25 MB cache (jitter 0.05), a 35 MB one and a 25 MB one with jitt
 - one CTA per (key tile, query head) (flash-attn-4's backward grid): key tiles heaviest first
   or in row order, query-head-major;
 - the committed lists (cuda_backend.ws_kv_work with the split: key tiles that would outlast the
-  grid split by query rows and the list grouped by response) in the kernel's two-band order.
+  grid split by query rows and the list grouped by response; else the phase-aligned walks: each
+  head's walk over a prompt's children starts where the last CTA of its kv head was) in the
+  kernel's two-band order.
 
 What it is good for: ranking schedules, not absolute numbers. It predicted the kv-head-major
 order's gain (25 MB, jitter 0.05: 90 % -> 24 % misses); measured with ncu on the H100, (16, 32768,
@@ -24,7 +26,8 @@ order's gain (25 MB, jitter 0.05: 90 % -> 24 % misses); measured with ncu on the
 for this stream (it is two partitions), which is where the item-major order fell off its cliff.
 One query head per CTA: 33 % -> 4 % misses on (28, 16384, 2048) in the model; an ablation of the
 kernel with that grid measured DRAM 43 -> 27 GB and L2 hit 89.6 -> 93.5 % (docs/PERF.md,
-"Eleventh session").
+"Eleventh session"). The phase-aligned walks: 37 -> 14 % (jitter 0.05) in the model; measured
+DRAM 32.8 -> 20.0 GB, L2 hit 91.5 -> 95.0 % (docs/PERF.md, "Fourteenth session").
 """
 import collections
 import heapq
@@ -49,6 +52,22 @@ def cta_walk(tiles, heads, heads_inner):
     if heads_inner:
         return ((h, x) for x in tiles for h in heads)
     return ((h, x) for h in heads for x in tiles)
+
+
+def phase_walk(item, ranges, heads, pos):
+    """A phase-aligned walk (kv item field 7 < 0; dkdv_ws_kernel): per head the children's tiles
+    (listed first) from the one last published in pos[(slot, kv head)], round, then the own."""
+    rs = [ranges[r] for r in range(item[2], item[3])]
+    n_kid = sum(1 for g in rs if not g[3])
+    kids, own = query_tiles([0, 0, 0, n_kid], rs, False), query_tiles([0, 0, n_kid, len(rs)], rs, False)
+    key = (item[7], heads[0] // len(heads))
+    for h in heads:
+        o = pos.get(key, 0)
+        for j in range(len(kids)):
+            pos[key] = (o + j) % len(kids)
+            yield h, kids[pos[key]]
+        for x in own:
+            yield h, x
 
 
 def kernel_blocks(n_items, hkv, group, order):
@@ -82,11 +101,12 @@ def miss_rate(items, ranges, blocks, kids_first, heads_inner, cache_mb, jitter, 
     rnd = random.Random(seed)
     cap = int(cache_mb * 1024 / 64)
     lru, misses, touches = collections.OrderedDict(), 0, 0
-    heap, nxt, tie = [], 0, itertools.count()
+    heap, nxt, tie, pos = [], 0, itertools.count(), {}
 
     def start(b, t):
         it, heads = blocks[b]
-        walk = cta_walk(query_tiles(items[it], ranges, kids_first), heads, heads_inner)
+        walk = (phase_walk(items[it], ranges, heads, pos) if items[it][7] < 0 else
+                cta_walk(query_tiles(items[it], ranges, kids_first), heads, heads_inner))
         heapq.heappush(heap, (t, next(tie), walk, 1.0 + rnd.uniform(-jitter, jitter)))
 
     while nxt < min(sms, len(blocks)):
@@ -123,11 +143,12 @@ def main() -> None:
                    head_blocks(items, hq, row), False, False) for row in (False, True)]
     # the committed lists: key tiles that outlast the grid split by query rows, grouped by response
     # (cuda_backend.split_by_rows; its own item and range lists), in the kernel's band order
-    s_items, s_ranges = ws_kv_work(SegmentTable.from_group_lengths([(p, [r] * n)]), split=(hkv, group, 132))
+    s_items, s_ranges = ws_kv_work(SegmentTable.from_group_lengths([(p, [r] * n)]), split=(hkv, group, 132),
+                                   phase=True)
     print(f"(N, P, R) = ({n}, {p}, {r}), Hq = {hq}, Hkv = {hkv}: miss rate of the (Q/dO + dQ) tiles")
     print("| grid / block order | ranges | heads | 25 MB | 35 MB | 25 MB, jitter 0.15 |")
     print("|---|---|---|---|---|---|")
-    schedules.append(("committed (bands, split by rows when a tile outlasts the grid)",
+    schedules.append(("committed (bands, split by rows when a tile outlasts the grid, else phase-aligned walks)",
                       banded_blocks(s_items, hkv, group), False, False))
     for name, blocks, kids_first, heads_inner in schedules:
         its, rgs = (s_items, s_ranges) if name.startswith("committed") else (items, ranges)
