@@ -95,7 +95,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 
 }  // namespace
 
+// The format of the ws work lists this build reads (cuda_backend.WS_LIST_FORMAT; 2: kv item
+// field 7 < 0 marks a phase-aligned walk). The package refuses a build that reads another format:
+// a stale build would take such an item for a split part and write outside its workspace.
+constexpr int64_t kWsListFormat = 2;
+
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
+  m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
   m.def(mdkv::op_args::fwd_schema("fwd_ws_sm90").c_str());
   std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
   ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0");

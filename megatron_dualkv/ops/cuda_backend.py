@@ -82,9 +82,31 @@ def _load() -> tuple[bool, str]:
         except (AttributeError, RuntimeError) as exc:
             ok, why = False, f"extension loaded but op megatron_dualkv::fwd is missing ({exc})"
     if ok:
+        why = _list_format_problem()
+        ok = not why
+    if ok:
         _register_python_side()
     _load_state.update(ok=ok, why=why)
     return ok, why
+
+
+# The format of the ws work lists `ws_kv_work` writes; csrc/dualkv_ws_ops.cpp's kWsListFormat is
+# the one a build reads. 2: kv item field 7 < 0 marks a phase-aligned walk (a build before it
+# would take such an item for a split part and write outside its workspace).
+WS_LIST_FORMAT = 2
+
+
+def _list_format_problem() -> str:
+    """'' when the loaded extension reads the work lists this package writes, else why not."""
+    try:
+        got = int(torch.ops.megatron_dualkv.ws_list_format())
+    except (AttributeError, RuntimeError):
+        got = None
+    if got == WS_LIST_FORMAT:
+        return ""
+    have = "no ws_list_format op (built before format 2)" if got is None else f"work-list format {got}"
+    return (f"the CUDA extension is stale: it reads {have}, this package writes format {WS_LIST_FORMAT}; "
+            "rebuild it (pip install --no-build-isolation . or python csrc/build_ext.py)")
 
 
 def is_available(q: Optional[Tensor] = None) -> tuple[bool, str]:

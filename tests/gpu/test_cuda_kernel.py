@@ -637,6 +637,26 @@ def test_ws_phase_walks(groups, local):
         assert cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132), phase=True) == split
 
 
+@pytest.mark.parametrize("reads", [cuda_backend.WS_LIST_FORMAT, 1, None])
+def test_a_stale_extension_is_refused(reads, monkeypatch):
+    """The package uses a built extension only when it reads the work-list format the package
+    writes (a stale build would take a phase-aligned walk's field 7 for a split part and write
+    outside its workspace); otherwise the reason names the formats and how to rebuild."""
+    class Ops:
+        pass
+
+    ops = Ops()
+    if reads is not None:
+        ops.ws_list_format = lambda: reads
+    monkeypatch.setattr(torch.ops, "megatron_dualkv", ops)
+    why = cuda_backend._list_format_problem()
+    if reads == cuda_backend.WS_LIST_FORMAT:
+        assert why == ""
+    else:
+        assert "stale" in why and f"format {cuda_backend.WS_LIST_FORMAT}" in why and "build_ext.py" in why
+        assert ("no ws_list_format op" in why) if reads is None else (f"format {reads}," in why)
+
+
 def test_query_chunks_reject_bad_rows():
     assert cuda_backend.query_chunks(torch.tensor([0, 1, 2, 5, 6, 9]), 10) == ((0, 3, 0), (5, 7, 3), (9, 10, 5))
     for bad in ([3, 2], [1, 1], [-1, 0], [9, 10]):
