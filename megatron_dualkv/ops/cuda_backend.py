@@ -382,8 +382,9 @@ def _mark_long_band(items: list, work) -> None:
 
 
 def split_slots(items: list) -> int:
-    """How many key tiles `split_by_rows` split (the kernel's fp32 dK/dV sums)."""
-    return len({it[7] >> 12 for it in items if it[7]})
+    """How many key tiles `split_by_rows` split (the kernel's fp32 dK/dV sums); field 7 < 0 is a
+    phase-aligned walk, not a part."""
+    return len({it[7] >> 12 for it in items if it[7] > 0})
 
 
 def _phase_walks(items: list, ranges: list) -> None:

@@ -617,6 +617,7 @@ def test_ws_phase_walks(groups, local):
     plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks)
     items, ranges = cuda_backend.ws_kv_work(seg, chunks, phase=True)
     assert [it[:7] for it in items] == [it[:7] for it in plain]
+    assert cuda_backend.split_slots(items) == 0, "a phase-aligned walk counted as a split part"
     slot_of = {}
     for it, old in zip(items, plain):
         rs, old_rs = ranges[it[2]:it[3]], plain_ranges[old[2]:old[3]]
