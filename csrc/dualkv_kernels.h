@@ -53,7 +53,7 @@ struct DkvArgs : BwdInputs {
   const int* work;    // kv items, 8 int32 each
   const int* ranges;  // 2 int32 per range (ws: 4, see dualkv_bwd_ws_sm90.cu)
   float* dq_acc;      // fast mode (sm90): fp32 [Tq, Hq, D] dQ accumulator (unscaled), atomics; else null
-  // ws backward, key tiles split by query rows (kv item field 7 != 0): zeroed fp32 dK/dV sums
+  // ws backward, key tiles split by query rows (kv item field 7 > 0): zeroed fp32 dK/dV sums
   // [slots, hkv, 2, 128, D] and int tickets [slots, hkv]; null when no item is split
   float* split_acc = nullptr;
   int* split_count = nullptr;

@@ -41,11 +41,16 @@ from megatron_dualkv.ops.cuda_backend import ws_kv_work
 TILE = 64
 
 
+def range_tiles(rs):
+    """The 64-row query tiles (their local first rows) of ranges [a, b, loc, causal], in order."""
+    return [loc + TILE * i for a, b, loc, _ in rs for i in range((b - a + TILE - 1) // TILE)]
+
+
 def query_tiles(item, ranges, kids_first):
     rs = [ranges[r] for r in range(item[2], item[3])]
     if kids_first:
         rs = [g for g in rs if not g[3]] + [g for g in rs if g[3]]
-    return [loc + TILE * i for a, b, loc, _ in rs for i in range((b - a + TILE - 1) // TILE)]
+    return range_tiles(rs)
 
 
 def cta_walk(tiles, heads, heads_inner):
@@ -58,8 +63,7 @@ def phase_walk(item, ranges, heads, pos):
     """A phase-aligned walk (kv item field 7 < 0; dkdv_ws_kernel): per head the children's tiles
     (listed first) from the one last published in pos[(slot, kv head)], round, then the own."""
     rs = [ranges[r] for r in range(item[2], item[3])]
-    n_kid = sum(1 for g in rs if not g[3])
-    kids, own = query_tiles([0, 0, 0, n_kid], rs, False), query_tiles([0, 0, n_kid, len(rs)], rs, False)
+    kids, own = range_tiles([g for g in rs if not g[3]]), range_tiles([g for g in rs if g[3]])
     key = (item[7], heads[0] // len(heads))
     for h in heads:
         o = pos.get(key, 0)
@@ -142,7 +146,8 @@ def main() -> None:
     schedules += [(f"1 query head per CTA, {'row order' if row else 'heaviest first'}",
                    head_blocks(items, hq, row), False, False) for row in (False, True)]
     # the committed lists: key tiles that outlast the grid split by query rows, grouped by response
-    # (cuda_backend.split_by_rows; its own item and range lists), in the kernel's band order
+    # (cuda_backend.split_by_rows), else phase-aligned walks (_phase_walks); their own item and
+    # range lists, in the kernel's band order
     s_items, s_ranges = ws_kv_work(SegmentTable.from_group_lengths([(p, [r] * n)]), split=(hkv, group, 132),
                                    phase=True)
     print(f"(N, P, R) = ({n}, {p}, {r}), Hq = {hq}, Hkv = {hkv}: miss rate of the (Q/dO + dQ) tiles")

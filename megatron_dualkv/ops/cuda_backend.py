@@ -411,7 +411,8 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
                split: Optional[tuple[int, int, int]] = None, phase: bool = False) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
     tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
-    split: 0, or a part of a key tile split by query rows, `split_by_rows`;
+    split: 0, a part of a key tile split by query rows (> 0, `split_by_rows`) or a phase-aligned
+    walk (< 0, `_phase_walks`);
     one item per key tile, also when no held query attends it: its dK, dV
     are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
