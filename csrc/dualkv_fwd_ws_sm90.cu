@@ -36,7 +36,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <math.h>
 
@@ -116,13 +115,8 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 // the kernel
 // ---------------------------------------------------------------------------------------------
 
-// kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely.
-// kPair: CTAs run in clusters of two, query heads h and h + 1 of one item (same kv head, same
-// key tiles); each CTA's producer loads one 64-row half of every K/V tile and multicasts it into
-// both, so each tile crosses from L2 once per pair instead of once per CTA. A stage is free only
-// when all four consumers of the pair have released it: the empty barriers take 16 arrivals
-// (8 warps x 2 CTAs, each consumer warp arrives on both CTAs' barrier).
-template <typename T, int D, bool kPingPong, bool kPair>
+// kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely
+template <typename T, int D, bool kPingPong>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, FwdArgs a) {
@@ -157,12 +151,6 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 
   // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
-  const uint32_t rank = kPair ? cluster_cta_rank() : 0u;  // = blockIdx.x & 1: query heads h, h + 1 of a pair
-  // a consumer warp has released stage barrier `bar` (lane 0 only): in a pair, on both CTAs
-  auto release = [&](uint32_t bar) {
-    mbar_arrive(bar);
-    if (kPair) mbar_arrive_cluster(bar, rank ^ 1u);
-  };
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
@@ -170,15 +158,12 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
-      mbar_init(k_empty(s), kPair ? 16 : 8);
-      mbar_init(v_empty(s), kPair ? 16 : 8);
+      mbar_init(k_empty(s), 8);
+      mbar_init(v_empty(s), 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (kPair)
-    cluster_sync();  // the peer's multicasts land on these barriers
-  else
-    __syncthreads();
+  __syncthreads();
 
   if (role == 0) {
     // ------------------------------- producer -------------------------------
@@ -188,20 +173,6 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       prefetch_map(&tm_k);
       prefetch_map(&tm_v);
       constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
-      // K or V tile [k0, k0 + kBK) into stage buffer `dst` (D / 64 swizzled panels of kBK rows);
-      // in a pair, this CTA's half of the rows into both CTAs (the barrier still expects the whole
-      // tile: the peer's half completes the rest)
-      auto load_kv = [&](T* dst, const CUtensorMap* map, uint32_t bar, int k0) {
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p) {
-          if (kPair) {
-            const int r0 = (int)rank * (kBK / 2);
-            tma_load_multicast(smem_addr(dst + p * kBK * 64 + r0 * 64), map, bar, p * 64, hk, k0 + r0, 0x3);
-          } else {
-            tma_load(smem_addr(dst + p * kBK * 64), map, bar, p * 64, hk, k0);
-          }
-        }
-      };
       mbar_expect_tx(q_full, kBQ * D * sizeof(T));
 #pragma unroll
       for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, qloc);
@@ -210,14 +181,16 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
         // stage st last held key tile t - kStages: wait until both consumers released it
         if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
         mbar_expect_tx(k_full(st), kTileBytes);
-        load_kv(sK + st * kBK * D, &tm_k, k_full(st), k0);
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), &tm_k, k_full(st), p * 64, hk, k0);
         if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
         mbar_expect_tx(v_full(st), kTileBytes);
-        load_kv(sV + st * kBK * D, &tm_v, v_full(st), k0);
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), &tm_v, v_full(st), p * 64, hk, k0);
       }
     }
-    __syncwarp();
-    if (kPair) cluster_sync();  // matches the consumers' one at the end
     return;
   }
 
@@ -250,7 +223,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   if (kPingPong && (cw == 0 || n_total > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
   wg_wait<0>();
   reg_fence(s);
-  if (lane == 0) release(k_empty(0));
+  if (lane == 0) mbar_arrive(k_empty(0));
   softmax_step(s, m, l, alpha, kv_start(0), n_par > 0, par1, row_a, row_w0, lane, sl2);
 
   // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
@@ -262,7 +235,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
     reg_fence(o);
     reg_fence_u(pa);
-    if (lane == 0 && t >= 2) release(v_empty(stage(t - 2)));
+    if (lane == 0 && t >= 2) mbar_arrive(v_empty(stage(t - 2)));
     rescale<D>(o, alpha);
     pack_frags<T, kBK>(pa, s);
     mbar_wait(k_full(st), parity(t));
@@ -278,7 +251,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     if (kPingPong && (cw == 0 || t + 1 < n_total)) named_arrive(other_bar, 256);
     wg_wait<1>();  // S_t complete, P V still running
     reg_fence(s);
-    if (lane == 0) release(k_empty(st));
+    if (lane == 0) mbar_arrive(k_empty(st));
     softmax_step(s, m, l, alpha, kv_start(t), t < n_par, par1, row_a, row_w0, lane, sl2);
   }
 
@@ -287,7 +260,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
-    if (lane == 0 && n_total >= 2) release(v_empty(stage(n_total - 2)));
+    if (lane == 0 && n_total >= 2) mbar_arrive(v_empty(stage(n_total - 2)));
     rescale<D>(o, alpha);
     pack_frags<T, kBK>(pa, s);
     const int sl = stage(n_total - 1);
@@ -299,14 +272,13 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
-    if (lane == 0) release(v_empty(sl));
+    if (lane == 0) mbar_arrive(v_empty(sl));
   }
 
   // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
   const long qs = (long)a.hq * D, shift = (long)qloc - q0;
   store_out_lse<T, D>(reinterpret_cast<T*>(a.out) + h * D + shift * qs, qs, a.lse + (long)h * a.Tq + shift, row_a,
                       q1, lane, o, m, l);
-  if (kPair) cluster_sync();  // the peer's consumers may still arrive on this CTA's empty barriers
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,41 +288,19 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 template <typename T, int D>
 static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
   using L = Smem<T, D>;
-  // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings).
-  // CTA pairs need an even GQA group (h, h + 1 share the kv head); MEGATRON_DUALKV_WS_FWD_PAIR=0
-  // turns them off.
+  // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings)
   const char* pp = std::getenv("MEGATRON_DUALKV_WS_PINGPONG");
-  const char* pe = std::getenv("MEGATRON_DUALKV_WS_FWD_PAIR");
-  const bool turns = !(pp && std::atoi(pp) == 0);
-  const bool pair = turns && (a.hq / a.hkv) % 2 == 0 && !(pe && std::atoi(pe) == 0);
-  auto k = !turns ? fwd_ws_kernel<T, D, false, false> : pair ? fwd_ws_kernel<T, D, true, true> : fwd_ws_kernel<T, D, true, false>;
+  auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false> : fwd_ws_kernel<T, D, true>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
   CUtensorMap mq, mk, mv;
   const int es = (int)sizeof(T);
-  const int kv_rows = pair ? kBK / 2 : kBK;  // a pair's CTA loads half of each tile
-  if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kv_rows, es) ||
-      !make_map(&mv, a.v, dt, D, a.hkv, a.T, kv_rows, es))
+  if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
+      !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)a.num_items * a.hq);  // even in a pair: hq is a multiple of the group
-  cfg.blockDim = dim3(kThreadsWS);
-  cfg.dynamicSmemBytes = L::kBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = pair ? 2 : 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pair ? 1 : 0;
-  if (std::getenv("MDKV_DEBUG_CLUSTERS")) {
-    int n = -1;
-    cudaError_t oe = cudaOccupancyMaxActiveClusters(&n, (void*)k, &cfg);
-    printf("fwd_ws pair=%d grid=%u max active clusters %d (%s)\n", (int)pair, cfg.gridDim.x, n, cudaGetErrorString(oe));
-  }
-  return cudaLaunchKernelEx(&cfg, k, mq, mk, mv, a);
+  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a);
+  return cudaGetLastError();
 }
 
 }  // namespace sm90ws

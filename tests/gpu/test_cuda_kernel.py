@@ -180,7 +180,6 @@ IMPLS = {
     "sm90-dq-kernel": ("sm90", "sm90"),  # the dQ kernel (the deterministic path) in fast mode
     "wsfwd": ("ws", "sm90"),
     "wsfwd-no-pingpong": ("ws", "sm90"),  # consumers issuing without turns
-    "wsfwd-no-pair": ("ws", "sm90"),      # one CTA per query head, no cluster multicast of K/V
     "wsbwd": ("sm90", "ws"),
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
@@ -199,8 +198,6 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
     if impl == "wsfwd-no-pingpong":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PINGPONG", "0")
-    if impl == "wsfwd-no-pair":
-        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PAIR", "0")
     if impl == "wsbwd-no-turns":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_TURNS", "0")
     if impl == "wsbwd-atomic-dq":
@@ -261,27 +258,6 @@ def test_forward_kernels_agree(variant, d, monkeypatch):
     ex_out, ex_lse = exact(q, k, v, q, seg, 0.08)[:2]
     assert rel(a_out, ex_out) <= rel(b_out, ex_out) * 1.05
     assert (a_lse - b_lse).abs().max().item() < 1e-3
-
-
-@gpu
-@pytest.mark.parametrize("hq, hkv, d, dtype", [(32, 8, 128, torch.bfloat16), (16, 8, 64, torch.float16),
-                                               (24, 8, 128, torch.bfloat16)])
-def test_wsfwd_pairs_equal_single_ctas(hq, hkv, d, dtype, monkeypatch):
-    """The ws forward's CTA pairs (two query heads of a kv head in a cluster, each loading half of
-    every K/V tile into both) compute bitwise what one CTA per query head computes: the same
-    tiles reach shared memory, only by another route. An odd GQA group (24 / 8 = 3) takes no pairs
-    and must be just as right."""
-    seg = make_segments([(5059, [1, 63, 64, 65, 2048]), (130, [17] * 9), (1, [5])], pad=7)
-    q, k, v, _ = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=random.randrange(1 << 20))
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PAIR", "1")
-    pair_out, pair_lse = cuda_backend.forward(q, k, v, seg, 0.09, fwd_impl="ws")
-    torch.cuda.synchronize()
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PAIR", "0")
-    one_out, one_lse = cuda_backend.forward(q, k, v, seg, 0.09, fwd_impl="ws")
-    assert torch.equal(pair_out, one_out), f"out differs: rel {rel(pair_out, one_out):.3e}"
-    assert torch.equal(pair_lse, one_lse), f"lse differs: max {(pair_lse - one_lse).abs().max().item():.3e}"
-    ex_out = exact(q, k, v, q, seg, 0.09)[0]
-    assert rel(pair_out, ex_out) < 2e-2
 
 
 @gpu
