@@ -8,9 +8,10 @@
 namespace mdkv {
 
 // Same contract and row items (128-row query tiles) as launch_fwd_sm90. Q/K/V are read by TMA:
-// q, k, v must be 16-byte aligned (any torch allocation is). Returns cudaErrorInvalidResourceHandle
-// when a TMA tensor map cannot be encoded.
-cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream);
+// q, k, v must be 16-byte aligned (any torch allocation is). kv_tile: keys per K/V tile, 128, or
+// 176 at d = 128 (cudaErrorInvalidValue otherwise). Returns cudaErrorInvalidResourceHandle when a
+// TMA tensor map cannot be encoded.
+cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, cudaStream_t stream);
 
 }  // namespace mdkv
 

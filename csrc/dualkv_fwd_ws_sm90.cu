@@ -6,7 +6,12 @@
 // attend the gathered K/V exactly as in the whole micro-batch):
 //   warpgroup 0, producer: one thread issues TMA loads (cp.async.bulk.tensor, 128-byte swizzle)
 //     of Q once and of every K/V tile (128 rows) into a 3-stage ring; registers cut to 40
-//     (setmaxnreg) so the consumers can have 232.
+//     (setmaxnreg) so the consumers can have 232. At head dim 128 the caller may ask for 176-key
+//     tiles instead (kv_tile; cuda_backend.ws_fwd_tile takes them for layouts whose query tiles
+//     attend >= 20480 keys on average): a 2-stage ring, 24 / 240 registers (ptxas spills 12-16
+//     bytes there: the turn's barrier id, reloaded once per tile), 1-3.5 % faster on the
+//     published shapes with P >= 32768, 8-10 % slower on short rows (docs/PERF.md, fifteenth
+//     session).
 //   warpgroups 1, 2, consumers: 64 query rows each. They never meet at a CTA barrier: each
 //     waits on the stage's "full" mbarriers and arrives (lane 0 of each warp) on the stage's
 //     "empty" mbarriers once its MMAs reading K (S = Q K^T) or V (O += P V) have completed.
@@ -18,7 +23,8 @@
 //     two named barriers (bar.sync on my barrier, bar.arrive on the other's), so one
 //     warpgroup's softmax runs while the other's MMAs occupy the tensor cores.
 //
-// mbarrier phases (key tile t lives in stage t % 3; u = t / 3 counts the stage's uses):
+// mbarrier phases (key tile t lives in stage t % S, S = 3 stages, or 2 at 176 keys; u = t / S
+// counts the stage's uses; the text below says 3):
 //   k_full[s], v_full[s]: 1 arrival (the producer's arrive.expect_tx) + the TMA bytes; the
 //     consumers wait for parity u & 1.
 //   k_empty[s], v_empty[s]: 8 arrivals (lane 0 of each consumer warp); the producer waits for
@@ -57,28 +63,40 @@ using sm90::wgmma_regs_x_tile;
 using sm90::wgmma_rows_x_rows;
 
 constexpr int kBQ = 128;      // query rows per CTA (2 consumer warpgroups x 64)
-constexpr int kBK = 128;      // key rows per tile
-constexpr int kStages = 3;    // K/V ring depth (D = 128: 32 KB Q + 3 x 64 KB K/V = 224 KB of the 227)
 constexpr int kThreadsWS = 384;
 #ifndef WS_PREGS
 #define WS_PREGS 40
 #define WS_CREGS 232
 #endif
-constexpr int kProducerRegs = WS_PREGS;
-constexpr int kConsumerRegs = WS_CREGS;
-static_assert(regs_fit_384(kProducerRegs, kConsumerRegs), "consumer registers would never be granted");
+// Key tile width BK and what goes with it: the K/V ring depth (D = 128: 32 KB Q + 3 x 64 KB K/V =
+// 224 KB of the 227 at 128 keys; 2 x 88 KB at 176) and the register split (S and P grow with BK:
+// 176 keys need the consumers' 240)
+template <int BK>
+struct KvTile;
+template <>
+struct KvTile<128> {
+  static constexpr int kStages = 3, kProducerRegs = WS_PREGS, kConsumerRegs = WS_CREGS;
+};
+template <>
+struct KvTile<176> {
+  static constexpr int kStages = 2, kProducerRegs = 24, kConsumerRegs = 240;
+};
+static_assert(regs_fit_384(KvTile<128>::kProducerRegs, KvTile<128>::kConsumerRegs), "consumer registers would never be granted");
+static_assert(regs_fit_384(KvTile<176>::kProducerRegs, KvTile<176>::kConsumerRegs), "consumer registers would never be granted");
 constexpr int kSchedBar = 1;  // named barriers 1, 2: "consumer w may issue its MMAs" (0 is __syncthreads)
 
 // shared memory: Q [kBQ x D], K and V [kStages][kBK x D] (each as D/64 swizzled panels), then
 // the mbarriers; the base is 1024-aligned (the 128-byte swizzle pattern repeats every 1024 bytes)
-template <typename T, int D>
+template <typename T, int D, int kBK>
 struct Smem {
+  static constexpr int kStages = KvTile<kBK>::kStages;
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kBQ * D * (int)sizeof(T);
   static constexpr int kV = kK + kStages * kBK * D * (int)sizeof(T);
   static constexpr int kBar = kV + kStages * kBK * D * (int)sizeof(T);
   static constexpr int kBarCount = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
   static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
+  static_assert(kBytes <= 227 * 1024, "shared memory of the ws forward exceeds the 227 KB an sm_90 CTA can have");
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -88,6 +106,7 @@ struct Smem {
 // mask S for key tile [k0, k0 + kBK) (parent tail / causal diagonal), then the online softmax:
 // S becomes P (unnormalised, in place), m and l are updated; returns the factor O must be
 // rescaled by (per row half r)
+template <int kBK>
 __device__ __forceinline__ void softmax_step(float (&s)[kBK / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              int k0, bool is_par, int par1, int row_a, int row_w0, int lane,
                                              float sl2) {
@@ -116,11 +135,12 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 // ---------------------------------------------------------------------------------------------
 
 // kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely
-template <typename T, int D, bool kPingPong>
+template <typename T, int D, bool kPingPong, int kBK>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, FwdArgs a) {
-  using L = Smem<T, D>;
+  using L = Smem<T, D, kBK>;
+  constexpr int kStages = L::kStages;
   extern __shared__ unsigned char smem_raw[];
   const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
   T* sQ = reinterpret_cast<T*>(base + L::kQ);
@@ -167,7 +187,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 
   if (role == 0) {
     // ------------------------------- producer -------------------------------
-    regs_dec<kProducerRegs>();
+    regs_dec<KvTile<kBK>::kProducerRegs>();
     if (threadIdx.x == 0) {
       prefetch_map(&tm_q);
       prefetch_map(&tm_k);
@@ -195,7 +215,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   }
 
   // ------------------------------- consumers -------------------------------
-  regs_inc<kConsumerRegs>();
+  regs_inc<KvTile<kBK>::kConsumerRegs>();
   const int cw = role - 1;  // consumer 0 / 1: query rows q0 + 64 * cw ...
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int row_w0 = q0 + cw * 64;
@@ -224,7 +244,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   wg_wait<0>();
   reg_fence(s);
   if (lane == 0) mbar_arrive(k_empty(0));
-  softmax_step(s, m, l, alpha, kv_start(0), n_par > 0, par1, row_a, row_w0, lane, sl2);
+  softmax_step<kBK>(s, m, l, alpha, kv_start(0), n_par > 0, par1, row_a, row_w0, lane, sl2);
 
   // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
   // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
@@ -252,7 +272,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_wait<1>();  // S_t complete, P V still running
     reg_fence(s);
     if (lane == 0) mbar_arrive(k_empty(st));
-    softmax_step(s, m, l, alpha, kv_start(t), t < n_par, par1, row_a, row_w0, lane, sl2);
+    softmax_step<kBK>(s, m, l, alpha, kv_start(t), t < n_par, par1, row_a, row_w0, lane, sl2);
   }
 
   // the last two P V products
@@ -285,12 +305,12 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 // host: tensor maps and launch
 // ---------------------------------------------------------------------------------------------
 
-template <typename T, int D>
+template <typename T, int D, int kBK>
 static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
-  using L = Smem<T, D>;
+  using L = Smem<T, D, kBK>;
   // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings)
   const char* pp = std::getenv("MEGATRON_DUALKV_WS_PINGPONG");
-  auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false> : fwd_ws_kernel<T, D, true>;
+  auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false, kBK> : fwd_ws_kernel<T, D, true, kBK>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
@@ -305,13 +325,17 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream
 
 }  // namespace sm90ws
 
-cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, cudaStream_t stream) {
+cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, cudaStream_t stream) {
+  if (kv_tile != 128 && !(kv_tile == 176 && d == 128)) return cudaErrorInvalidValue;
+  const bool wide = kv_tile == 176;
+  constexpr auto bf = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, hf = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   if (dtype == kBF16 && d == 128)
-    return sm90ws::fwd_ws_t<__nv_bfloat16, 128>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
-  if (dtype == kBF16 && d == 64)
-    return sm90ws::fwd_ws_t<__nv_bfloat16, 64>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
-  if (dtype == kFP16 && d == 128) return sm90ws::fwd_ws_t<__half, 128>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
-  if (dtype == kFP16 && d == 64) return sm90ws::fwd_ws_t<__half, 64>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+    return wide ? sm90ws::fwd_ws_t<__nv_bfloat16, 128, 176>(a, bf, stream)
+                : sm90ws::fwd_ws_t<__nv_bfloat16, 128, 128>(a, bf, stream);
+  if (dtype == kBF16 && d == 64) return sm90ws::fwd_ws_t<__nv_bfloat16, 64, 128>(a, bf, stream);
+  if (dtype == kFP16 && d == 128)
+    return wide ? sm90ws::fwd_ws_t<__half, 128, 176>(a, hf, stream) : sm90ws::fwd_ws_t<__half, 128, 128>(a, hf, stream);
+  if (dtype == kFP16 && d == 64) return sm90ws::fwd_ws_t<__half, 64, 128>(a, hf, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -67,6 +67,8 @@ def main():
         # the ws backward's 80-row query tiles (head dim 128): S^T, dP^T and dQ^T = K^T dS^T
         print(ss(80, ty))
         print(ss_ta(80, ty))
+        # the ws forward's 176-key tiles: S = Q K^T
+        print(ss(176, ty))
     print("}  // namespace mdkv")
 
 

@@ -90,10 +90,11 @@ def _load() -> tuple[bool, str]:
     return ok, why
 
 
-# The format of the ws work lists `ws_kv_work` writes; csrc/dualkv_ws_ops.cpp's kWsListFormat is
-# the one a build reads. 2: kv item field 7 < 0 marks a phase-aligned walk (a build before it
-# would take such an item for a split part and write outside its workspace).
-WS_LIST_FORMAT = 2
+# The format of the ws work lists and ops this package uses; csrc/dualkv_ws_ops.cpp's kWsListFormat
+# is the one a build reads. 2: kv item field 7 < 0 marks a phase-aligned walk (a build before it
+# would take such an item for a split part and write outside its workspace); 3: fwd_ws_sm90 takes
+# the key tile width (kv_tile).
+WS_LIST_FORMAT = 3
 
 
 def _list_format_problem() -> str:
@@ -464,7 +465,9 @@ class Work:
                  split: Optional[tuple[int, int, int]] = None, phase: bool = False):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
-        self.rows128 = mk(row_items(segments, 128, chunks))
+        rows = row_items(segments, 128, chunks)
+        self.rows128 = mk(rows)
+        self.fwd_mean_keys = sum(it[5] for it in rows) * TILE / len(rows)  # keys per query tile (ws_fwd_tile)
         ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
         self.ws_split_slots = split_slots(ws_items)
@@ -479,6 +482,28 @@ def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[
     """The `Work` of a layout on a device (cached on the SegmentTable)."""
     return segments.cached(("cuda_backend_work", str(device), chunks, split, phase),
                            lambda: Work(segments, device, chunks, split, phase))
+
+
+# Mean keys per query tile from which the ws forward takes 176-key tiles (head dim 128): a wider
+# tile spreads each tile's fixed work (barrier waits, turns, fences) over more keys, but holds 2
+# K/V stages instead of 3 and fills and drains each CTA more slowly. H100, forward alone: 1-3 %
+# faster on the published shapes with P >= 32768 (22k-44k keys per query tile), level on
+# (28, 16384, R) (14-15k), 8-10 % slower on (28, 4096, R) (4-5k) (docs/PERF.md, fifteenth session).
+WIDE_TILE_KEYS = 20480
+
+
+def ws_fwd_tile(work: "Work", head_dim: int) -> int:
+    """Keys per K/V tile of the ws forward on this layout: 176 at head dim 128 when the query
+    tiles attend WIDE_TILE_KEYS keys or more on average, else 128. MEGATRON_DUALKV_WS_FWD_TILE=128
+    or 176 forces one (176 only at head dim 128; head dim 64 always takes 128)."""
+    forced = os.environ.get("MEGATRON_DUALKV_WS_FWD_TILE", "auto")
+    if forced not in ("auto", "128", "176"):
+        raise ValueError(f"MEGATRON_DUALKV_WS_FWD_TILE must be 'auto', '128' or '176', got {forced!r}")
+    if head_dim != 128:
+        return 128
+    if forced != "auto":
+        return int(forced)
+    return 176 if work.fwd_mean_keys >= WIDE_TILE_KEYS else 128
 
 
 def ws_split(q: Tensor, k: Tensor) -> Optional[tuple[int, int, int]]:
@@ -543,8 +568,11 @@ def _register_python_side() -> None:
 
     torch.library.register_fake("megatron_dualkv::fwd")(_fwd_fake)
     torch.library.register_fake("megatron_dualkv::fwd_sm90")(_fwd_fake)
+    def _fwd_ws_fake(q, k, v, row_work, scale, kv_tile=128):
+        return _fwd_fake(q, k, v, row_work, scale)
+
     if _has_op("fwd_ws_sm90"):  # absent from extensions built before it existed
-        torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_fake)
+        torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_ws_fake)
 
     def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, split_slots=0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -557,16 +585,18 @@ def _register_python_side() -> None:
 
 class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
-    bwd_kind, split_slots): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs (`_lists`
-    picks the work lists that match both kinds); split_slots: the ws backward's key tiles split by
-    query rows."""
+    bwd_kind, split_slots, fwd_tile): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
+    (`_lists` picks the work lists that match both kinds); split_slots: the ws backward's key tiles
+    split by query rows; fwd_tile: the ws forward's keys per tile (`ws_fwd_tile`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
-                split_slots):
+                split_slots, fwd_tile):
         ops = torch.ops.megatron_dualkv
-        fwd_op = {"ws": ops.fwd_ws_sm90, "sm90": ops.fwd_sm90, "mma": ops.fwd}[fwd_kind]
-        out, lse = fwd_op(q, k, v, fwd_rows, scale)
+        if fwd_kind == "ws":
+            out, lse = ops.fwd_ws_sm90(q, k, v, fwd_rows, scale, fwd_tile)
+        else:
+            out, lse = {"sm90": ops.fwd_sm90, "mma": ops.fwd}[fwd_kind](q, k, v, fwd_rows, scale)
         ctx.save_for_backward(q, k, v, out, lse, bwd_rows, bwd_kv, bwd_ranges)
         ctx.scale, ctx.deterministic, ctx.bwd_kind, ctx.split_slots = scale, deterministic, bwd_kind, split_slots
         ctx.mark_non_differentiable(lse)
@@ -583,7 +613,7 @@ class _DualKVFunction(torch.autograd.Function):
             dq, dk, dv = ops.bwd_ws_sm90(*args, ctx.split_slots)
         else:
             dq, dk, dv = {"sm90": ops.bwd_sm90, "mma": ops.bwd}[ctx.bwd_kind](*args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def _lists(work: Work, fwd_kind: str, bwd_kind: str, deterministic: bool) -> tuple:
@@ -663,8 +693,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     split = ws_split(q, k) if ws_bwd else None
     work = work_tensors(segments, q.device, chunks, split, ws_bwd and ws_phase())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi, bool(deterministic))
+    fwd_tile = ws_fwd_tile(work, q.shape[-1]) if fi == "ws" else 128
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
-                                 slots)
+                                 slots, fwd_tile)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,

@@ -180,6 +180,7 @@ IMPLS = {
     "sm90-dq-kernel": ("sm90", "sm90"),  # the dQ kernel (the deterministic path) in fast mode
     "wsfwd": ("ws", "sm90"),
     "wsfwd-no-pingpong": ("ws", "sm90"),  # consumers issuing without turns
+    "wsfwd-176": ("ws", "sm90"),          # 176-key tiles at head dim 128 (MEGATRON_DUALKV_WS_FWD_TILE=176)
     "wsbwd": ("sm90", "ws"),
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
@@ -198,6 +199,8 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
     if impl == "wsfwd-no-pingpong":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PINGPONG", "0")
+    if impl == "wsfwd-176":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "176")
     if impl == "wsbwd-no-turns":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_TURNS", "0")
     if impl == "wsbwd-atomic-dq":
@@ -387,6 +390,16 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @gpu
+def test_ws_forward_names_a_bad_key_tile():
+    seg = make_segments([(100, [30, 7])])
+    rows = cuda_backend.work_tensors(seg, torch.device("cuda")).rows128
+    for d, tile in ((64, 176), (128, 96)):
+        q, k, v, _ = inputs(seg.num_tokens, 4, 2, d, torch.bfloat16, seed=5)
+        with pytest.raises(RuntimeError, match="176 at head dim 128"):
+            torch.ops.megatron_dualkv.fwd_ws_sm90(q, k, v, rows, 0.1, tile)
+
+
+@gpu
 @pytest.mark.parametrize("var", ["MEGATRON_DUALKV_WS_BWD_QTILE", "MEGATRON_DUALKV_WS_DQ"])
 def test_ws_backward_names_a_bad_switch(var, monkeypatch):
     seg = make_segments([(100, [30, 7])])
@@ -404,7 +417,7 @@ def test_torch_compile_traces_the_ops():
     lists = cuda_backend._lists(cuda_backend.work_tensors(seg, q.device), "sm90", "sm90", False)
 
     def f(q, k, v):
-        return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, "sm90", lists[4], lists[5])[0]
+        return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, "sm90", lists[4], lists[5], 128)[0]
 
     qq = q.clone().requires_grad_(True)
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(qq, k, v)
@@ -600,6 +613,35 @@ def test_ws_split_by_rows(groups, hkv, group, slots, local):
              for it in items]
     runs = [g for i, g in enumerate(first) if i == 0 or first[i - 1] != g]
     assert len(runs) == len(set(runs)), "the items of one segment are not neighbours"
+
+
+@pytest.mark.parametrize("groups, local", [
+    ([(300, [5, 200]), (1000, [1, 129, 64])], False),
+    ([(300, [90] * 6), (1000, [50, 3])], True),
+])
+def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
+    """Work.fwd_mean_keys is the mean over the ws forward's query tiles of the keys their last row
+    attends, rounded up to 64-key tiles per part (the row items' cost); ws_fwd_tile takes 176 keys
+    at head dim 128 from WIDE_TILE_KEYS on, the switch forces 128 or 176 (head dim 64: 128 always)
+    and names itself when set to anything else."""
+    seg = make_segments(groups, device="cpu")
+    chunks = random_chunks(seg.num_tokens, random.Random(3))[1] if local else None
+    work = cuda_backend.Work(seg, torch.device("cpu"), chunks)
+    items = cuda_backend.row_items(seg, 128, chunks)
+    exact = [(it[4] - it[3]) + (it[1] - it[2]) for it in items]  # parent keys + own keys up to row q1 - 1
+    mean = sum(exact) / len(exact)
+    assert mean <= work.fwd_mean_keys < mean + 128
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TILE", raising=False)
+    assert cuda_backend.ws_fwd_tile(work, 128) == 128  # short rows
+    long_rows = type("W", (), {"fwd_mean_keys": cuda_backend.WIDE_TILE_KEYS})()
+    assert cuda_backend.ws_fwd_tile(long_rows, 128) == 176 and cuda_backend.ws_fwd_tile(long_rows, 64) == 128
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "176")
+    assert cuda_backend.ws_fwd_tile(work, 128) == 176 and cuda_backend.ws_fwd_tile(work, 64) == 128
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "128")
+    assert cuda_backend.ws_fwd_tile(long_rows, 128) == 128
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "wide")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TILE"):
+        cuda_backend.ws_fwd_tile(work, 128)
 
 
 @pytest.mark.parametrize("groups, local", [
