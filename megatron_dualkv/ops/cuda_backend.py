@@ -467,7 +467,10 @@ class Work:
         self.local = chunks is not None
         rows = row_items(segments, 128, chunks)
         self.rows128 = mk(rows)
-        self.fwd_mean_keys = sum(it[5] for it in rows) * TILE / len(rows)  # keys per query tile (ws_fwd_tile)
+        # keys per query tile of the whole layout (ws_fwd_tile), so that a context-parallel rank's
+        # forward takes the tile width the whole micro-batch takes and gives its rows bitwise
+        whole = rows if chunks is None else row_items(segments, 128)
+        self.fwd_mean_keys = sum(it[5] for it in whole) * TILE / len(whole)
         ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
         self.ws_split_slots = split_slots(ws_items)
@@ -568,6 +571,7 @@ def _register_python_side() -> None:
 
     torch.library.register_fake("megatron_dualkv::fwd")(_fwd_fake)
     torch.library.register_fake("megatron_dualkv::fwd_sm90")(_fwd_fake)
+
     def _fwd_ws_fake(q, k, v, row_work, scale, kv_tile=128):
         return _fwd_fake(q, k, v, row_work, scale)
 

@@ -620,14 +620,15 @@ def test_ws_split_by_rows(groups, hkv, group, slots, local):
     ([(300, [90] * 6), (1000, [50, 3])], True),
 ])
 def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
-    """Work.fwd_mean_keys is the mean over the ws forward's query tiles of the keys their last row
-    attends, rounded up to 64-key tiles per part (the row items' cost); ws_fwd_tile takes 176 keys
+    """Work.fwd_mean_keys is the mean over the whole layout's query tiles (a context-parallel rank's
+    too: it takes the tile width of the whole micro-batch) of the keys their last row attends,
+    rounded up to 64-key tiles per part (the row items' cost); ws_fwd_tile takes 176 keys
     at head dim 128 from WIDE_TILE_KEYS on, the switch forces 128 or 176 (head dim 64: 128 always)
     and names itself when set to anything else."""
     seg = make_segments(groups, device="cpu")
     chunks = random_chunks(seg.num_tokens, random.Random(3))[1] if local else None
     work = cuda_backend.Work(seg, torch.device("cpu"), chunks)
-    items = cuda_backend.row_items(seg, 128, chunks)
+    items = cuda_backend.row_items(seg, 128)
     exact = [(it[4] - it[3]) + (it[1] - it[2]) for it in items]  # parent keys + own keys up to row q1 - 1
     mean = sum(exact) / len(exact)
     assert mean <= work.fwd_mean_keys < mean + 128
