@@ -317,10 +317,11 @@ def test_default_rollouts_are_valid_small_and_regenerate_identically(tmp_path):
     assert all(r.rewards is not None and r.advantages is not None for r in recs)
     assert any(r.loss_mask is not None and 0 in sum(r.loss_mask, ()) for r in recs)
     assert any(any(a != 0 for a in r.advantages) for r in recs)
-    # the stored advantages are the GRPO advantages of the stored rewards
+    # the stored advantages are the GRPO advantages of the stored rewards (stored to 12 significant
+    # digits; a wrong estimator, e.g. the biased std or no std at all, is off by > 1e-2)
     stripped = [RolloutGroup(r.group_id, r.prompt, r.responses, rewards=r.rewards) for r in recs]
     for r, a in zip(recs, compute_advantages(stripped)):
-        np.testing.assert_allclose(r.advantages, a, rtol=0, atol=0)
+        np.testing.assert_allclose(r.advantages, a, rtol=1e-11, atol=0)
     out = tmp_path / "again.jsonl"
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_default_rollouts.py"), "--out", str(out)],
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -2,8 +2,9 @@
 
 Random tokens for a tiny Qwen3-shaped model with a 512-token vocabulary: 24 groups, prompts of
 16..96 tokens, 2..8 responses of 1..64 tokens, 0/1 verifier-style rewards and their GRPO advantages
-(group mean / std). Every fourth group is multi-turn: a span in the middle of some responses (a tool
-output) has loss mask 0. No old-policy logprobs: the training step recomputes them.
+(group mean / std, to 12 significant digits). Every fourth group is multi-turn: a span in the middle
+of some responses (a tool output) has loss mask 0. No old-policy logprobs: the training step
+recomputes them.
 
     python tools/make_default_rollouts.py [--out PATH] [--seed 2026]
 
@@ -55,6 +56,10 @@ def make_default_rollouts(seed: int = SEED, num_groups: int = NUM_GROUPS,
                           loss_mask=mask))
     records = [RolloutGroup(**d) for d in plain]
     advantages = compute_advantages(records, AdvantageEstimator())
+    # Stored to 12 significant digits: torch builds differ in the last bit of (r - mean) / (std + eps)
+    # (0.7071057811879616 here, ...617 where the file was first written), and the file must
+    # regenerate byte for byte wherever the tests run.
+    advantages = [tuple(float(f"{x:.12g}") for x in a) for a in advantages]
     return [RolloutGroup(**{**d, "advantages": a}) for d, a in zip(plain, advantages)]
 
 
