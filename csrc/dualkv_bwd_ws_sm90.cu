@@ -219,13 +219,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // where one CTA walking all its rows would outlast the rest of the grid) into `parts` items of
   // which this is one; it sums its dK/dV into the fp32 workspace of `slot` (epilogue below)
   // (step i: query head hk * group + i / per_head, its query tile i % per_head)
-  // or < 0: -1 - (slot | (chunks - 1) << 20), the walk of a root's key tile whose child ranges
-  // come first and are walked, in `chunks` equal parts with phase slots slot.., from the step other
-  // CTAs of this kv head walk now (below)
+  // or < 0: -1 - phase slot, the walk of a root's key tile whose child ranges come first and are
+  // walked from the step other CTAs of this kv head walk now (below)
   const int split = w[7] > 0 ? w[7] : 0;
-  const int phase_code = w[7] < 0 ? -1 - w[7] : -1;
-  const int phase_slot = phase_code >= 0 ? (phase_code & 0xFFFFF) : -1;
-  const int phase_chunks = phase_code >= 0 ? (phase_code >> 20) + 1 : 1;
+  const int phase_slot = w[7] < 0 ? -1 - w[7] : -1;
   const int n_iter = per_head * group;
 
   // query tile i of a head: packed rows q0..qend (QT at most used), held from local row ql. Only
@@ -287,17 +284,14 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       // the same query rows however their own (causal) walks and start times differ, and the
       // rows' Q, dO and dQ are read and reduced in L2 while the others still need them. The walk
       // still covers every child step once; only the order (and the dQ sum order) changes.
-      // Long child walks (many responses) come in chunks, each rotated on its own slot: the CTAs
-      // drift apart over a walk and re-align only where a rotation starts (docs/PERF.md,
-      // seventeenth session).
+      int* phase = phase_slot >= 0 ? a.phase + phase_slot * a.hkv + hk : nullptr;
       int n_kid = 0;  // leading child steps of a head's walk
-      if (phase_slot >= 0)
+      if (phase)
         for (int r = rlo; r < rhi; ++r) {
           const int4 g = __ldg(ranges + r);
           if (g.w) break;
           n_kid += (g.y - g.x + QT - 1) / QT;
         }
-      const int chunk_len = (n_kid + phase_chunks - 1) / phase_chunks;
       int kid_base = 0;
       for (int i = 0; i < n_iter; ++i) {
         const int st = stage(i);
@@ -305,16 +299,14 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int h = hk * group + i / per_head;
         int j = i % per_head;
         if (n_kid > 0 && j < n_kid) {
-          const int c = j / chunk_len, c0 = c * chunk_len, clen = min(chunk_len, n_kid - c0);
-          int* phase = a.phase + (phase_slot + c) * a.hkv + hk;
-          if (j == c0) {
+          if (j == 0) {
             int at = 0;
             if (lane == 0) asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(at) : "l"(phase));
-            kid_base = (int)((unsigned)__shfl_sync(0xffffffffu, at, 0) % (unsigned)clen);
+            kid_base = (int)((unsigned)__shfl_sync(0xffffffffu, at, 0) % (unsigned)n_kid);
           }
           j += kid_base;
-          if (j >= c0 + clen) j -= clen;
-          if (lane == 0) asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(phase), "r"(j - c0) : "memory");
+          if (j >= n_kid) j -= n_kid;
+          if (lane == 0) asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(phase), "r"(j) : "memory");
         }
         const int4 td = query_tile(j);
         const int q0 = td.x, qend = td.y, ql = td.z;

@@ -79,8 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   auto dv = at::empty_like(v);
   auto delta = per_head_row_floats(q);
   // the fp32 dQ sums, and behind them (zeroed by the same fill) the int phase slots [items, hkv]
-  // of the phase-aligned walks (kv item field 7 < 0; cuda_backend._phase_walks gives a root at
-  // most one slot per key tile, so they fit)
+  // of the phase-aligned walks (kv item field 7 < 0; at most one slot per item)
   auto acc = at::zeros({q.numel() + kv_work.size(0) * k.size(1)}, q.options().dtype(at::kFloat));
   auto dq_acc = acc.narrow(0, 0, q.numel()).view(q.sizes());
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
@@ -104,9 +103,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // The format of the ws work lists and ops this build reads (cuda_backend.WS_LIST_FORMAT; 2: kv item
 // field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile). The package refuses a
 // build that reads another format: a format-1 build would take a phase walk for a split part and
-// write outside its workspace, a format-2 one has no kv_tile argument; 4: a phase walk's field 7
-// also holds its chunk count (a format-3 build would read it as a slot outside the workspace).
-constexpr int64_t kWsListFormat = 4;
+// write outside its workspace, a format-2 one has no kv_tile argument.
+constexpr int64_t kWsListFormat = 3;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });

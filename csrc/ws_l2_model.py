@@ -16,8 +16,8 @@ schedule, for a 25 MB cache (jitter 0.05), a 35 MB one and a 25 MB one with jitt
   or in row order, query-head-major;
 - the committed lists (cuda_backend.ws_kv_work with the split: key tiles that would outlast the
   grid split by query rows and the list grouped by response; else the phase-aligned walks: each
-  head's walk over a prompt's children, in chunks of cuda_backend.PHASE_CHUNK_ROWS rows, starts
-  where the last CTA of its kv head was) in the kernel's two-band order.
+  head's walk over a prompt's children starts where the last CTA of its kv head was) in the
+  kernel's two-band order.
 
 What it is good for: ranking schedules, not absolute numbers. It predicted the kv-head-major
 order's gain (25 MB, jitter 0.05: 90 % -> 24 % misses); measured with ncu on the H100, (16, 32768,
@@ -36,7 +36,7 @@ import random
 import sys
 
 from megatron_dualkv.layout import SegmentTable
-from megatron_dualkv.ops.cuda_backend import PHASE_CHUNK_ROWS, phase_slot_chunks, ws_kv_work
+from megatron_dualkv.ops.cuda_backend import ws_kv_work
 
 TILE = 64
 
@@ -61,20 +61,15 @@ def cta_walk(tiles, heads, heads_inner):
 
 def phase_walk(item, ranges, heads, pos):
     """A phase-aligned walk (kv item field 7 < 0; dkdv_ws_kernel): per head the children's tiles
-    (listed first) in equal chunks, each from the tile last published in pos[(slot, kv head)],
-    round, then the own."""
+    (listed first) from the one last published in pos[(slot, kv head)], round, then the own."""
     rs = [ranges[r] for r in range(item[2], item[3])]
     kids, own = range_tiles([g for g in rs if not g[3]]), range_tiles([g for g in rs if g[3]])
-    slot, chunks = phase_slot_chunks(item[7])
-    step = -(-len(kids) // chunks)
-    parts = [kids[c:c + step] for c in range(0, len(kids), step)]
+    key = (item[7], heads[0] // len(heads))
     for h in heads:
-        for c, part in enumerate(parts):
-            key = (slot + c, heads[0] // len(heads))
-            o = pos.get(key, 0)
-            for j in range(len(part)):
-                pos[key] = (o + j) % len(part)
-                yield h, part[pos[key]]
+        o = pos.get(key, 0)
+        for j in range(len(kids)):
+            pos[key] = (o + j) % len(kids)
+            yield h, kids[pos[key]]
         for x in own:
             yield h, x
 
@@ -154,7 +149,7 @@ def main() -> None:
     # (cuda_backend.split_by_rows), else phase-aligned walks (_phase_walks); their own item and
     # range lists, in the kernel's band order
     s_items, s_ranges = ws_kv_work(SegmentTable.from_group_lengths([(p, [r] * n)]), split=(hkv, group, 132),
-                                   phase=PHASE_CHUNK_ROWS)
+                                   phase=True)
     print(f"(N, P, R) = ({n}, {p}, {r}), Hq = {hq}, Hkv = {hkv}: miss rate of the (Q/dO + dQ) tiles")
     print("| grid / block order | ranges | heads | 25 MB | 35 MB | 25 MB, jitter 0.15 |")
     print("|---|---|---|---|---|---|")

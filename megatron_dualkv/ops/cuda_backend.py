@@ -93,9 +93,8 @@ def _load() -> tuple[bool, str]:
 # The format of the ws work lists and ops this package uses; csrc/dualkv_ws_ops.cpp's kWsListFormat
 # is the one a build reads. 2: kv item field 7 < 0 marks a phase-aligned walk (a build before it
 # would take such an item for a split part and write outside its workspace); 3: fwd_ws_sm90 takes
-# the key tile width (kv_tile); 4: a phase-aligned walk's field 7 also holds its chunk count (a
-# format-3 build would take it for a slot far outside its workspace).
-WS_LIST_FORMAT = 4
+# the key tile width (kv_tile).
+WS_LIST_FORMAT = 3
 
 
 def _list_format_problem() -> str:
@@ -389,72 +388,28 @@ def split_slots(items: list) -> int:
     return len({it[7] >> 12 for it in items if it[7] > 0})
 
 
-# Child rows per chunk of a phase-aligned walk: the CTAs of a kv head drift apart over a long walk
-# over the children and re-align only where a rotation starts, so a walk over more child rows is
-# cut into equal chunks, each rotated on its own phase slot. With 32768, of the published shapes
-# only (28, P, 2048) (57344 child rows, 2 chunks) is cut; csrc/ws_l2_model.py models its L2
-# misses 23.0 -> 15.9 % on (28, 32768, 2048) (docs/PERF.md, seventeenth session).
-PHASE_CHUNK_ROWS = 32768
-# field 7 of a phase-aligned walk: -1 - (slot | (chunks - 1) << PHASE_CHUNK_SHIFT)
-PHASE_CHUNK_SHIFT = 20
-
-
-def _phase_walks(items: list, ranges: list, chunk_rows: int = PHASE_CHUNK_ROWS) -> None:
+def _phase_walks(items: list, ranges: list) -> None:
     """In place: every kv item with child ranges (a root's key tile) lists them before its own
-    and gets field 7 = -1 - (slot | (chunks - 1) << 20): its walk over the children (a group's
-    responses) comes in `chunks` equal parts (ceil(child rows / chunk_rows), at most the root's
-    key tiles, so that the slots fit the kernel's [items, hkv] ints; chunk_rows 0: one), each on
-    its own slot (slot, slot + 1, ...), so the kernel walks each part from the step the other
-    CTAs of its kv head are at (the phase-aligned walks of dkdv_ws_kernel)."""
-    roots: dict = {}  # first child row of a root -> (its key tiles, its child rows)
-    for it in items:
-        kids = [r for r in ranges[it[2]:it[3]] if not r[3]]
-        if kids:
-            n, _ = roots.get(kids[0][0], (0, 0))
-            roots[kids[0][0]] = (n + 1, sum(r[1] - r[0] for r in kids))
+    and gets field 7 = -1 - slot, one slot per set of children (a group's responses), so the
+    kernel walks the children from the step the other CTAs of its kv head are at (the
+    phase-aligned walks of dkdv_ws_kernel)."""
     slots: dict = {}
-    used = 0
-    for first, (tiles, rows) in roots.items():
-        chunks = min(tiles, _ceil(rows, chunk_rows), 1 << (31 - PHASE_CHUNK_SHIFT)) if chunk_rows > 0 else 1
-        slots[first] = (used, max(chunks, 1))
-        used += max(chunks, 1)
-    if used > 1 << PHASE_CHUNK_SHIFT:
-        raise ValueError(f"DualKV CUDA backend: {used} phase slots do not fit field 7 of the ws backward's work "
-                         f"list (at most {1 << PHASE_CHUNK_SHIFT})")
     for it in items:
         rs = ranges[it[2]:it[3]]
         kids = [r for r in rs if not r[3]]
         if kids:
             ranges[it[2]:it[3]] = kids + [r for r in rs if r[3]]
-            slot, chunks = slots[kids[0][0]]
-            it[7] = -1 - (slot | (chunks - 1) << PHASE_CHUNK_SHIFT)
+            it[7] = -1 - slots.setdefault(kids[0][0], len(slots))
 
 
-def phase_slot_chunks(field7: int) -> tuple[int, int]:
-    """(first slot, chunks) of a phase-aligned walk's field 7 (< 0)."""
-    code = -1 - field7
-    return code & ((1 << PHASE_CHUNK_SHIFT) - 1), (code >> PHASE_CHUNK_SHIFT) + 1
-
-
-def ws_phase() -> int:
-    """Phase-aligned walks in the ws backward (`_phase_walks`): 0 when off (MEGATRON_DUALKV_WS_PHASE=0:
-    own rows first, every walk from its first step; for A/B timings), else the child rows per chunk
-    (PHASE_CHUNK_ROWS, or MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS; -1 there: one chunk, however long)."""
-    if os.environ.get("MEGATRON_DUALKV_WS_PHASE", "1") == "0":
-        return 0
-    raw = os.environ.get("MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS", str(PHASE_CHUNK_ROWS))
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = 0
-    if rows < -1 or rows == 0:
-        raise ValueError(f"MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS must be a positive number of rows or -1 (one chunk), "
-                         f"got {raw!r}")
-    return rows
+def ws_phase() -> bool:
+    """Phase-aligned walks in the ws backward (`_phase_walks`); MEGATRON_DUALKV_WS_PHASE=0
+    turns them off (own rows first, every walk from its first step; for A/B timings)."""
+    return os.environ.get("MEGATRON_DUALKV_WS_PHASE", "1") != "0"
 
 
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
-               split: Optional[tuple[int, int, int]] = None, phase: int = 0) -> tuple[list, list]:
+               split: Optional[tuple[int, int, int]] = None, phase: bool = False) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
     tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
     split: 0, a part of a key tile split by query rows (> 0, `split_by_rows`) or a phase-aligned
@@ -466,10 +421,9 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     1/LONG_BAND of the heaviest's work, heaviest first) are the kernel's first band: their CTAs
     of every kv head start before any other item's; the rest follow grouped by segment. split = (hkv, group, SMs): key tiles that would
     outlast the grid are split by query rows (`split_by_rows`, which also reorders the list).
-    phase (`ws_phase`): where nothing is split, a root's key tiles walk their children first,
-    phase-aligned, in chunks of `phase` child rows (-1: one chunk) (`_phase_walks`; the H100
-    backward's DRAM traffic about halved on the published shapes, docs/PERF.md, fourteenth
-    session)."""
+    phase: where nothing is split, a root's key tiles walk their children first, phase-aligned
+    (`_phase_walks`; the H100 backward's DRAM traffic about halved on the published shapes,
+    docs/PERF.md, fourteenth session)."""
     _check_depth(segments)
     children = _child_ranges(segments)
     items, ranges = [], []
@@ -497,7 +451,7 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     if split is not None:
         items, ranges = split_by_rows(items, ranges, segments.host_start, *split)
     if phase and not split_slots(items):
-        _phase_walks(items, ranges, max(phase, 0))
+        _phase_walks(items, ranges)
     return items, ranges or [[0, 0, 0, 0]]
 
 
@@ -508,7 +462,7 @@ class Work:
     With query chunks (local queries) only the ws lists are built. split: `ws_kv_work`'s."""
 
     def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple[int, int, int]] = None, phase: int = 0):
+                 split: Optional[tuple[int, int, int]] = None, phase: bool = False):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
         rows = row_items(segments, 128, chunks)
@@ -527,7 +481,7 @@ class Work:
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple[int, int, int]] = None, phase: int = 0) -> Work:
+                 split: Optional[tuple[int, int, int]] = None, phase: bool = False) -> Work:
     """The `Work` of a layout on a device (cached on the SegmentTable)."""
     return segments.cached(("cuda_backend_work", str(device), chunks, split, phase),
                            lambda: Work(segments, device, chunks, split, phase))
@@ -741,7 +695,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ws_bwd = bi == "ws" and not deterministic
     split = ws_split(q, k) if ws_bwd else None
-    work = work_tensors(segments, q.device, chunks, split, ws_phase() if ws_bwd else 0)
+    work = work_tensors(segments, q.device, chunks, split, ws_bwd and ws_phase())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi, bool(deterministic))
     fwd_tile = ws_fwd_tile(work, q.shape[-1]) if fi == "ws" else 128
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,

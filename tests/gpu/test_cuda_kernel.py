@@ -187,7 +187,6 @@ IMPLS = {
     "wsbwd-qtile-64": ("sm90", "ws"),     # 64-row query steps at head dim 128 too (default there: 80)
     "wsbwd-no-split": ("sm90", "ws"),     # no key tile split by query rows (MEGATRON_DUALKV_WS_SPLIT=0)
     "wsbwd-no-phase": ("sm90", "ws"),     # every walk from its first step, own rows first (MEGATRON_DUALKV_WS_PHASE=0)
-    "wsbwd-phase-chunks": ("sm90", "ws"),  # nothing split; child walks in chunks of 96 rows (as many as a root has key tiles)
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
@@ -212,9 +211,6 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
     if impl == "wsbwd-no-phase":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
-    if impl == "wsbwd-phase-chunks":
-        monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
-        monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS", "96")
     fwd, bwd = IMPLS[impl]
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
@@ -280,7 +276,7 @@ def test_deterministic_bitwise(impl):
 
 
 @gpu
-@pytest.mark.parametrize("walk", ["plain", "phase", "phase-chunks", "split"])
+@pytest.mark.parametrize("walk", ["plain", "phase", "split"])
 @pytest.mark.parametrize("d", [128, 64])
 def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
     """The ws backward against the sm90 fast backward on the same forward, gradient by gradient:
@@ -296,8 +292,6 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
     if walk == "plain":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
-    if walk == "phase-chunks":  # the 130-row prompt's 1200 child rows in 2 chunks (its 2 key tiles)
-        monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS", "96")
     seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [200] * 6)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
     slots = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k)).ws_split_slots if split else 0
@@ -656,18 +650,15 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     ([(700, [5, 300]), (3000, [64] * 9), (40, [1]), (9, [])], False),
     ([(300, [90] * 6), (1000, [50, 3])], True),  # a context-parallel rank's rows
 ])
-@pytest.mark.parametrize("chunk_rows", [-1, cuda_backend.PHASE_CHUNK_ROWS, 200])
-def test_ws_phase_walks(groups, local, chunk_rows):
-    """With phase walks every key tile with children (a prompt's) lists its child ranges first and
-    its own after them, the same (key tile, query row) pairs as without; field 7 = -1 - (slot |
-    (chunks - 1) << 20): per prompt ceil(child rows / chunk_rows) chunks (one for -1), at most its
-    key tiles, on slots slot.. that no other prompt uses, all of them fewer than the items (the
-    kernel's [items, hkv] ints); the other items are unchanged. A list that splits keeps its split
-    (phase needs every CTA of a prompt to walk the same child steps)."""
+def test_ws_phase_walks(groups, local):
+    """With phase=True every key tile with children (a prompt's) lists its child ranges first and
+    its own after them, the same (key tile, query row) pairs as without; field 7 = -1 - slot, one
+    slot per prompt, numbered from 0; the other items are unchanged. A list that splits keeps its
+    split (phase needs every CTA of a prompt to walk the same child steps)."""
     seg = make_segments(groups, device="cpu")
     chunks = random_chunks(seg.num_tokens, random.Random(3))[1] if local else None
     plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks)
-    items, ranges = cuda_backend.ws_kv_work(seg, chunks, phase=chunk_rows)
+    items, ranges = cuda_backend.ws_kv_work(seg, chunks, phase=True)
     assert [it[:7] for it in items] == [it[:7] for it in plain]
     assert cuda_backend.split_slots(items) == 0, "a phase-aligned walk counted as a split part"
     slot_of = {}
@@ -681,35 +672,13 @@ def test_ws_phase_walks(groups, local, chunk_rows):
         assert rs == kids + [r for r in rs if r[3]], f"key tile {it[0]}: own rows before its children"
         assert it[7] < 0
         prompt = max(s for s in seg.host_start if s <= it[0])
-        assert slot_of.setdefault(prompt, it[7]) == it[7], f"two codes for the prompt at {prompt}"
-        tiles = sum(1 for x in items if x[7] == it[7])
-        rows = sum(r[1] - r[0] for r in kids)
-        want = 1 if chunk_rows == -1 else min(tiles, -(-rows // chunk_rows))
-        assert cuda_backend.phase_slot_chunks(it[7])[1] == want, f"prompt at {prompt}: {rows} child rows, {tiles} tiles"
-    used = [s for code in slot_of.values() for first, n in [cuda_backend.phase_slot_chunks(code)]
-            for s in range(first, first + n)]
-    assert sorted(used) == list(range(len(used))) and len(used) <= len(items), "phase slots overlap or overflow"
+        assert slot_of.setdefault(prompt, -1 - it[7]) == -1 - it[7], f"two slots for the prompt at {prompt}"
+    assert sorted(slot_of.values()) == list(range(len(slot_of))) and len(slot_of) == len(set(slot_of.values()))
     assert set(slot_of) == {max(s for s in seg.host_start if s <= it[0]) for it in plain
                             if any(not r[3] for r in plain_ranges[it[2]:it[3]])}
     split = cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132))
     if cuda_backend.split_slots(split[0]):
-        assert cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132), phase=chunk_rows) == split
-
-
-def test_ws_phase_chunk_rows_switch(monkeypatch):
-    """MEGATRON_DUALKV_WS_PHASE=0 turns the phase walks off; the chunk rows come from
-    MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS (-1: one chunk); anything else is named."""
-    monkeypatch.delenv("MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS", raising=False)
-    assert cuda_backend.ws_phase() == cuda_backend.PHASE_CHUNK_ROWS
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS", "-1")
-    assert cuda_backend.ws_phase() == -1
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
-    assert cuda_backend.ws_phase() == 0
-    monkeypatch.delenv("MEGATRON_DUALKV_WS_PHASE")
-    for bad in ("0", "-5", "many"):
-        monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS", bad)
-        with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_PHASE_CHUNK_ROWS"):
-            cuda_backend.ws_phase()
+        assert cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132), phase=True) == split
 
 
 @pytest.mark.parametrize("reads", [cuda_backend.WS_LIST_FORMAT, 1, None])
