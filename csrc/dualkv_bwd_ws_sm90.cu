@@ -230,14 +230,24 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // the stage's shared-memory descriptor, published by its q_full arrival like lse and delta
   // (consumer registers: keeping the first two ranges there made the tma instance spill 28 bytes
   // in the step loop; a global load per step cost 3-5 %, docs/PERF.md "CUDA local queries").
+  // The producer's cursor: range cur_r holds the steps cur_base.. of a head's walk. Steps mostly
+  // follow one another, so the search resumes there instead of at rlo (each range passed is a
+  // dependent L1 load: up to N + 1 per step on a phase-aligned walk over N responses).
   const int4* ranges = reinterpret_cast<const int4*>(a.ranges);
+  int cur_r = rlo, cur_base = 0;
   auto query_tile = [&](int i) -> int4 {
-    for (int r = rlo; r < rhi; ++r) {
+    if (i < cur_base) cur_r = rlo, cur_base = 0;
+    for (int r = cur_r; r < rhi; ++r) {
       const int4 g = __ldg(ranges + r);
       const int n = (g.y - g.x + QT - 1) / QT;
-      if (i < n) return make_int4(g.x + i * QT, g.y, g.z + i * QT, g.w);
-      i -= n;
+      if (i < cur_base + n) {
+        cur_r = r;
+        const int o = i - cur_base;
+        return make_int4(g.x + o * QT, g.y, g.z + o * QT, g.w);
+      }
+      cur_base += n;
     }
+    cur_r = rlo, cur_base = 0;
     return make_int4(0, 0, 0, 0);
   };
 
