@@ -1,11 +1,22 @@
 """Build the DualKV CUDA extension without setup.py (JIT, ninja) into a folder.
 
-    python csrc/build_ext.py [OUT_DIR]     (default: .gpu/build; MAX_JOBS=1 is honoured)
+    python csrc/build_ext.py [OUT_DIR] [--python-include DIR]
+        (OUT_DIR default: .gpu/build; MAX_JOBS=1 is honoured)
 
 The result, OUT_DIR/_C.so, is found by megatron_dualkv/ops/cuda_backend.py through the
 environment variable MEGATRON_DUALKV_CUDA_LIB or at .gpu/build/_C.so in the repository.
 setup.py builds the same sources as the extension megatron_dualkv._C.
+
+The library references the Python C API of the interpreter whose headers it was compiled with
+(the op sources include torch/extension.h, i.e. pybind11), so a build for another machine must use
+that machine's Python version: --python-include DIR (e.g. ~/.pyenv/versions/3.12.1/include/python3.12
+for the lent GPU machine's Python 3.12) puts DIR's Python.h ahead of the running interpreter's.
+A build made with 3.13's headers fails to load under 3.12 with "undefined symbol:
+PyDict_GetItemStringRef". The torch build must match too (same version and CUDA).
+Where nvcc is reached through /usr/local/bin, set CUDA_HOME=/usr/local/cuda: torch would take
+/usr/local and miss crt/host_defines.h.
 """
+import argparse
 import os
 import sys
 
@@ -18,10 +29,19 @@ CXX_FLAGS = ["-O3", "-std=c++17"]
 
 
 def main():
-    out = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "..", ".gpu", "build"))
+    ap = argparse.ArgumentParser(description="Build the DualKV CUDA extension into a folder (JIT, ninja).")
+    ap.add_argument("out", nargs="?", default=os.path.join(HERE, "..", ".gpu", "build"))
+    ap.add_argument("--python-include", help="Python.h folder of the interpreter that will load the library")
+    args = ap.parse_args()
+    out = os.path.abspath(args.out)
+    includes = []
+    if args.python_include:
+        inc = os.path.abspath(os.path.expanduser(args.python_include))
+        if not os.path.isfile(os.path.join(inc, "Python.h")):
+            sys.exit(f"--python-include {args.python_include}: no Python.h there")
+        includes.append(inc)  # -I, searched before the running interpreter's -isystem folder
     os.makedirs(out, exist_ok=True)
     from torch.utils.cpp_extension import load
-    includes = []
     try:  # CUDA library headers (cusparse.h, ...) from the pip CUDA wheels, where the toolkit lacks them
         import nvidia
         for base in nvidia.__path__:
@@ -30,9 +50,17 @@ def main():
                 includes.append(inc)
     except ImportError:
         pass
-    load(name="_C", sources=SOURCES, extra_cflags=CXX_FLAGS, extra_cuda_cflags=NVCC_FLAGS,
-         extra_include_paths=includes, build_directory=out, verbose=True, is_python_module=False)
-    print("built", os.path.join(out, "_C.so"))
+    lib = os.path.join(out, "_C.so")
+    try:
+        load(name="_C", sources=SOURCES, extra_cflags=CXX_FLAGS, extra_cuda_cflags=NVCC_FLAGS,
+             extra_include_paths=includes, build_directory=out, verbose=True, is_python_module=False)
+    except OSError:
+        # load() ends by loading the library here, which a build for another Python cannot do
+        if not (args.python_include and os.path.isfile(lib)):
+            raise
+        print("built", lib, f"(for the Python of {args.python_include}; not loadable by this interpreter)")
+        return
+    print("built", lib)
 
 
 if __name__ == "__main__":
