@@ -1,0 +1,41 @@
+#!/bin/bash
+# Ours against FlexAttention's FLASH backend (flash-attn-4) in one device run, both orders. The
+# side-by-side table of ratios (tools/compare_backends.py) goes to stdout at the end: a device call
+# returns at most 8 files (docs/PERF.md, eighteenth session).
+# On the device machine, repo root, after `tools/fa4_carry.sh stage` (carry .gpu/fa4a) in the call
+# before, carrying .gpu/fa4b, .whl and the build under test:
+#   MEGATRON_DUALKV_CUDA_LIB=$PWD/.gpu/head/_C.so bash tools/flash_compare.sh          # fwd+bwd and
+#       forward-only, one pass in each order, median of $REPS (7); all ten published shapes
+#   SHAPES=28x4096x2048,28x16384x2048 PASSES=4 bash tools/flash_compare.sh fwd       # forward only,
+#       $PASSES passes alternating the order
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+bash tools/fa4_carry.sh unpack || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  2>/dev/null || exit 1
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+export MEGATRON_DUALKV_CUDA_LIB=${MEGATRON_DUALKV_CUDA_LIB:-$PWD/.gpu/final/_C.so}
+nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv,noheader,nounits -lms 100 > "$OUT/smi.csv" &
+smi=$!
+S=${SHAPES:+--shapes $SHAPES}
+MODE=${1:-all}
+rm -f "$OUT"/fb[0-9]*.md "$OUT"/fo[0-9]*.md  # the summary reads every pass table left in $OUT
+if [ "$MODE" = fwd ]; then
+  runs=(); for p in $(seq ${PASSES:-4}); do
+    be=cuda,flex-flash; [ $((p % 2)) = 0 ] && be=flex-flash,cuda; runs+=("fo$p $be --fwd-only"); done
+else
+  runs=("fb1 cuda,flex-flash" "fb2 flex-flash,cuda" "fo1 cuda,flex-flash --fwd-only" "fo2 flex-flash,cuda --fwd-only")
+fi
+for spec in "${runs[@]}"; do
+  set -- $spec; name=$1; be=$2; shift 2
+  t0=$(date +%s)
+  python3 tools/bench_kernel.py --backends "$be" --reps "${REPS:-7}" --warmup 2 $S "$@" --out "$OUT/$name.md" \
+    > "$OUT/$name.log" 2>&1
+  rc=$?; echo "$name rc=$rc $(( $(date +%s) - t0 ))s"; [ $rc = 0 ] || tail -5 "$OUT/$name.log"
+done
+kill $smi 2>/dev/null; wait $smi 2>/dev/null
+python3 tools/compare_backends.py "$OUT" $([ "$MODE" = fwd ] && echo --fwd)
+python3 tools/smi_summary.py "$OUT/smi.csv"
