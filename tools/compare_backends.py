@@ -43,6 +43,10 @@ def _ratio(a, b, col):
     return sum(r[col] for r in a) / sum(r[col] for r in b)
 
 
+def _mean(runs, col):
+    return statistics.mean(r[col] for r in runs)
+
+
 def _ms(runs, col):
     return "; ".join(f"{r[col]:.2f}" for r in runs)
 
@@ -69,11 +73,10 @@ def table(fb: list, fo: list, ours: str = "cuda", theirs: str = "flex-flash") ->
             if None in (c, f, oc, of):
                 lines.append(f"| {shape} | missing in some pass |")
                 continue
-            mean = lambda runs, col: statistics.mean(r[col] for r in runs)  # noqa: E731
             lines.append(
                 f"| {shape} | {_ms(c, FB)} | {_ms(f, FB)} | {_ratio(c, f, FB):.3f} | {_ratio(c, f, BWD):.3f} | "
                 f"{_ms(oc, FWD)} | {_ms(of, FWD)} | {_ratio(oc, of, FWD):.3f} | "
-                f"{mean(oc, FWD_TF):.0f} / {mean(c, FB_TF):.0f} | {mean(of, FWD_TF):.0f} / {mean(f, FB_TF):.0f} |")
+                f"{_mean(oc, FWD_TF):.0f} / {_mean(c, FB_TF):.0f} | {_mean(of, FWD_TF):.0f} / {_mean(f, FB_TF):.0f} |")
     else:
         lines += [f"| (N, P, R) | fwd ms {ours} | {theirs} | {ours}/{theirs} (sums; medians) |", "|---|---|---|---|"]
         for shape in _shapes(fo, ours):
