@@ -8,6 +8,8 @@
 #       forward-only, one pass in each order, median of $REPS (7); all ten published shapes
 #   SHAPES=28x4096x2048,28x16384x2048 PASSES=4 bash tools/flash_compare.sh fwd       # forward only,
 #       $PASSES passes alternating the order
+#   MATMUL=1 ...                                      # also the card's bf16 matmul rate before and after
+#       (tools/bench_matmul.py) and every row as a fraction of its sustained rate
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,7 +24,8 @@ nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reas
 smi=$!
 S=${SHAPES:+--shapes $SHAPES}
 MODE=${1:-all}
-rm -f "$OUT"/fb[0-9]*.md "$OUT"/fo[0-9]*.md  # the summary reads every pass table left in $OUT
+rm -f "$OUT"/fb[0-9]*.md "$OUT"/fo[0-9]*.md "$OUT"/mm[0-9]*.md  # the summaries read every table left in $OUT
+[ -n "$MATMUL" ] && python3 tools/bench_matmul.py --out "$OUT/mm1.md" > "$OUT/mm1.log" 2>&1
 if [ "$MODE" = fwd ]; then
   runs=(); for p in $(seq ${PASSES:-4}); do
     be=cuda,flex-flash; [ $((p % 2)) = 0 ] && be=flex-flash,cuda; runs+=("fo$p $be --fwd-only"); done
@@ -36,6 +39,8 @@ for spec in "${runs[@]}"; do
     > "$OUT/$name.log" 2>&1
   rc=$?; echo "$name rc=$rc $(( $(date +%s) - t0 ))s"; [ $rc = 0 ] || tail -5 "$OUT/$name.log"
 done
+[ -n "$MATMUL" ] && python3 tools/bench_matmul.py --idle 1 --out "$OUT/mm2.md" > "$OUT/mm2.log" 2>&1
 kill $smi 2>/dev/null; wait $smi 2>/dev/null
+[ -n "$MATMUL" ] && cat "$OUT/mm1.md" "$OUT/mm2.md" && python3 tools/bench_matmul.py --yardstick "$OUT"
 python3 tools/compare_backends.py "$OUT" $([ "$MODE" = fwd ] && echo --fwd)
 python3 tools/smi_summary.py "$OUT/smi.csv"

@@ -19,6 +19,13 @@
 #                                                 # while it ran (tools/smi_summary.py);
 #                                                 # $AB_PASSES passes (default 2), the order of
 #                                                 # $AB_LIBS reversed on even passes
+#   bash tools/gpu_session_check.sh yardstick     # the card's power limits, its bf16 matmul rate
+#                                                 # (cool and sustained; tools/bench_matmul.py),
+#                                                 # ours fwd+bwd and forward-only on the published
+#                                                 # shapes ($YS_PASSES passes, default 2), the
+#                                                 # matmul again; then attention TF/s as fractions
+#                                                 # of the sustained matmul, beside issue 3's
+#                                                 # targets as fractions of its 776 (~6 min, H100)
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -79,6 +86,23 @@ if [ "$1" = ab ]; then
     done
     [ -n "$AB_ONE_PASS" ] && break
   done
+  exit 0
+fi
+if [ "$1" = yardstick ]; then
+  nvidia-smi -q -d POWER | grep -iE "product name|limit|draw" | sed 's/^ *//' | sort -u
+  nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader,nounits -lms 100 > "$OUT/smi.csv" 2>/dev/null &
+  smi=$!
+  rm -f "$OUT"/mm[0-9]*.md "$OUT"/fb[0-9]*.md "$OUT"/fo[0-9]*.md
+  TAIL=8 step matmul_1 120 python3 tools/bench_matmul.py --out "$OUT/mm1.md"
+  for p in $(seq ${YS_PASSES:-2}); do
+    TAIL=14 step "fb$p" 240 python3 tools/bench_kernel.py --backends cuda --reps 7 --warmup 2 --out "$OUT/fb$p.md"
+    TAIL=14 step "fo$p" 120 python3 tools/bench_kernel.py --backends cuda --reps 7 --warmup 2 --fwd-only --out "$OUT/fo$p.md"
+  done
+  TAIL=8 step matmul_2 120 python3 tools/bench_matmul.py --idle 1 --out "$OUT/mm2.md"
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  python3 tools/bench_matmul.py --yardstick "$OUT"
+  python3 tools/smi_summary.py "$OUT/smi.csv"
   exit 0
 fi
 step demo_gpu 90 python3 examples/equivalence_demo.py --groups 8
