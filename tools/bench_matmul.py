@@ -2,7 +2,7 @@
 attention TF/s of tools/bench_kernel.py.
 
     python tools/bench_matmul.py [--sizes 8192,16384] [--idle 5] [--sustain 15] --out mm.md
-    python tools/bench_matmul.py --yardstick OUT_DIR     # mmN.md + fbN.md / foN.md (cuda rows)
+    python tools/bench_matmul.py --yardstick OUT_DIR     # mmN.md + fbN.md / foN.md, every backend
 
 Why: issue 3's targets (680 forward, 620 fwd+bwd useful TF/s) were set beside "a bf16 matmul
 776" on the H100 they were measured on. The lent H100 runs long kernels at its software power
