@@ -130,15 +130,17 @@ def yardstick(out_dir: str) -> str:
              f"{ISSUE_TARGETS['fwd+bwd'] / ISSUE_MATMUL:.3f} of it", "",
              "| (N, P, R) | backend | fwd TF/s | fwd / matmul | fwd+bwd TF/s | fwd+bwd / matmul |",
              "|---|---|---|---|---|---|"]
-    keys = []
-    for p in fb + fo:
-        keys += [k for k in p if k not in keys]
+    keys = list(dict.fromkeys(k for p in fb + fo for k in p))  # first-seen order
     for key in keys:
         fwd = [p[key][FWD_TF] for p in fo if key in p]
         both = [p[key][FB_TF] for p in fb if key in p]
-        cell = lambda xs: (f"{statistics.mean(xs):.0f}", f"{statistics.mean(xs) / unit:.3f}") if xs else ("", "")
-        lines.append(f"| {key[:3]} | {key[3]} | {' | '.join(cell(fwd))} | {' | '.join(cell(both))} |")
+        lines.append(f"| {key[:3]} | {key[3]} | {_rate_cells(fwd, unit)} | {_rate_cells(both, unit)} |")
     return "\n".join(lines)
+
+
+def _rate_cells(tf: list, unit: float) -> str:
+    """'mean TF/s | mean / unit' of the passes' rates, or two empty cells where there are none."""
+    return f"{statistics.mean(tf):.0f} | {statistics.mean(tf) / unit:.3f}" if tf else " | "
 
 
 def main(argv=None) -> int:
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
         lines += table_rows(size, measure(size, device, dtype, args.idle, args.burst_reps, args.sustain, args.reps))
         print(lines[-2], lines[-1], sep="\n", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    text = f"bf16 matmul rate on {name} ({args.dtype})\n\n" + "\n".join(lines) + "\n"
+    text = f"matmul rate on {name} ({args.dtype})\n\n" + "\n".join(lines) + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -13,15 +13,13 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 bash tools/fa4_carry.sh unpack || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  2>/dev/null || exit 1
+install_megatron_wheel 2>/dev/null || exit 1
 export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export MEGATRON_DUALKV_CUDA_LIB=${MEGATRON_DUALKV_CUDA_LIB:-$PWD/.gpu/final/_C.so}
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
-nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-  --format=csv,noheader,nounits -lms 100 > "$OUT/smi.csv" &
-smi=$!
+smi_start "$OUT/smi.csv" 100
 S=${SHAPES:+--shapes $SHAPES}
 MODE=${1:-all}
 rm -f "$OUT"/fb[0-9]*.md "$OUT"/fo[0-9]*.md "$OUT"/mm[0-9]*.md  # the summaries read every table left in $OUT
@@ -40,7 +38,7 @@ for spec in "${runs[@]}"; do
   rc=$?; echo "$name rc=$rc $(( $(date +%s) - t0 ))s"; [ $rc = 0 ] || tail -5 "$OUT/$name.log"
 done
 [ -n "$MATMUL" ] && python3 tools/bench_matmul.py --idle 1 --out "$OUT/mm2.md" > "$OUT/mm2.log" 2>&1
-kill $smi 2>/dev/null; wait $smi 2>/dev/null
+smi_stop
 [ -n "$MATMUL" ] && cat "$OUT/mm1.md" "$OUT/mm2.md" && python3 tools/bench_matmul.py --yardstick "$OUT"
 python3 tools/compare_backends.py "$OUT" $([ "$MODE" = fwd ] && echo --fwd)
 python3 tools/smi_summary.py "$OUT/smi.csv"

@@ -29,7 +29,8 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+source "$(dirname "$0")/device_env.sh"
+install_megatron_wheel || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 export MEGATRON_DUALKV_CUDA_LIB=${MEGATRON_DUALKV_CUDA_LIB:-$PWD/.gpu/final/_C.so}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
@@ -76,12 +77,10 @@ if [ "$1" = ab ]; then
       case $lib in *@*) src=$PWD/${lib#*@}; lib=${lib%@*};; esac
       extra=$(for e in $AB_ENV; do [ "${e%%:*}" = "$name" ] && echo "${e#*:}"; done)
       # SM clock and power beside the times: at the power cap two builds also differ by clock
-      nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-        --format=csv,noheader,nounits -lms 50 > "/tmp/smi_${name}_${pass}.csv" 2>/dev/null &
-      smi=$!
+      smi_start "/tmp/smi_${name}_${pass}.csv" 50
       TAIL=16 step "bench_${name}_${pass}" 200 env MEGATRON_DUALKV_CUDA_LIB="$PWD/$lib" PYTHONPATH="$src:/tmp/site" $extra \
         python3 "$src/tools/bench_kernel.py" --backends cuda --reps ${AB_REPS:-5} --warmup 2 $AB_ARGS --out "$OUT/bench_${name}_${pass}.md"
-      kill $smi 2>/dev/null; wait $smi 2>/dev/null
+      smi_stop
       python3 tools/smi_summary.py "/tmp/smi_${name}_${pass}.csv" | tee -a "$OUT/bench_${name}_${pass}.md"
     done
     [ -n "$AB_ONE_PASS" ] && break
@@ -90,9 +89,7 @@ if [ "$1" = ab ]; then
 fi
 if [ "$1" = yardstick ]; then
   nvidia-smi -q -d POWER | grep -iE "product name|limit|draw" | sed 's/^ *//' | sort -u
-  nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-    --format=csv,noheader,nounits -lms 100 > "$OUT/smi.csv" 2>/dev/null &
-  smi=$!
+  smi_start "$OUT/smi.csv" 100
   rm -f "$OUT"/mm[0-9]*.md "$OUT"/fb[0-9]*.md "$OUT"/fo[0-9]*.md
   TAIL=8 step matmul_1 120 python3 tools/bench_matmul.py --out "$OUT/mm1.md"
   for p in $(seq ${YS_PASSES:-2}); do
@@ -100,7 +97,7 @@ if [ "$1" = yardstick ]; then
     TAIL=14 step "fo$p" 120 python3 tools/bench_kernel.py --backends cuda --reps 7 --warmup 2 --fwd-only --out "$OUT/fo$p.md"
   done
   TAIL=8 step matmul_2 120 python3 tools/bench_matmul.py --idle 1 --out "$OUT/mm2.md"
-  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  smi_stop
   python3 tools/bench_matmul.py --yardstick "$OUT"
   python3 tools/smi_summary.py "$OUT/smi.csv"
   exit 0
