@@ -43,6 +43,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <type_traits>
 #include <math.h>
 
 #include "dualkv_kernels.h"
@@ -138,7 +140,7 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 template <typename T, int D, bool kPingPong, int kBK>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                  const __grid_constant__ CUtensorMap tm_v, FwdArgs a) {
+                  const __grid_constant__ CUtensorMap tm_v, FwdArgs a, int narrow_tail) {
   using L = Smem<T, D, kBK>;
   constexpr int kStages = L::kStages;
   extern __shared__ unsigned char smem_raw[];
@@ -166,8 +168,22 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   const int* w = a.work + item * 8;
   const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4], qloc = w[6];
   const int n_par = (par1 - par0 + kBK - 1) / kBK;
-  const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // >= 1: q0 >= self0, q1 > q0
-  auto kv_start = [&](int t) { return t < n_par ? par0 + t * kBK : self0 + (t - n_par) * kBK; };
+  const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // > n_par: q0 >= self0, q1 > q0
+  // The parent's last key tile holds only `tail` of its kBK keys; the rest are other tokens' rows,
+  // masked (P = 16384 with 176-key tiles: 160 of the 176). Where 64 or 128 keys cover the tail
+  // (tail_w < kBK) that tile goes last, after the row's own tiles, and runs after the loop with
+  // its S and P V narrowed to tail_w keys; the loop's code is the same either way (docs/PERF.md,
+  // nineteenth session: a width chosen inside the loop, or a peeled first step, made ptxas
+  // serialize the wgmmas or cost 2-5 %).
+  const int tail = n_par > 0 ? par1 - par0 - (n_par - 1) * kBK : kBK;
+  const int tail_w = !kPingPong || !narrow_tail || n_par < 1 ? kBK : (tail <= 64 ? 64 : (tail <= 128 ? 128 : kBK));
+  const int n_main = tail_w < kBK ? n_total - 1 : n_total;  // tiles of the loop: >= 1 (the own rows)
+  const int n_pfull = tail_w < kBK ? n_par - 1 : n_par;     // parent tiles among them
+  auto kv_start = [&](int t) {
+    if (t < n_pfull) return par0 + t * kBK;
+    if (t < n_main) return self0 + (t - n_pfull) * kBK;
+    return par0 + (n_par - 1) * kBK;  // t = n_main: the narrowed tail
+  };
 
   // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
@@ -240,17 +256,17 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   wg_fence();
   wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
   wg_commit();
-  if (kPingPong && (cw == 0 || n_total > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
+  if (kPingPong && (cw == 0 || n_main > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
   wg_wait<0>();
   reg_fence(s);
   if (lane == 0) mbar_arrive(k_empty(0));
-  softmax_step<kBK>(s, m, l, alpha, kv_start(0), n_par > 0, par1, row_a, row_w0, lane, sl2);
+  softmax_step<kBK>(s, m, l, alpha, kv_start(0), n_pfull > 0, par1, row_a, row_w0, lane, sl2);
 
   // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
   // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
   // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
   // SASS), which serializes them again; the loop back edge keeps it below.
-  for (int t = 1; t < n_total; ++t) {
+  for (int t = 1; t < n_main; ++t) {
     const int st = stage(t), sp = stage(t - 1);
     wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
     reg_fence(o);
@@ -268,11 +284,11 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_commit();
     wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sp * kBK * D);
     wg_commit();
-    if (kPingPong && (cw == 0 || t + 1 < n_total)) named_arrive(other_bar, 256);
+    if (kPingPong && (cw == 0 || t + 1 < n_main)) named_arrive(other_bar, 256);
     wg_wait<1>();  // S_t complete, P V still running
     reg_fence(s);
     if (lane == 0) mbar_arrive(k_empty(st));
-    softmax_step<kBK>(s, m, l, alpha, kv_start(t), t < n_par, par1, row_a, row_w0, lane, sl2);
+    softmax_step<kBK>(s, m, l, alpha, kv_start(t), t < n_pfull, par1, row_a, row_w0, lane, sl2);
   }
 
   // the last two P V products
@@ -280,11 +296,11 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
-    if (lane == 0 && n_total >= 2) mbar_arrive(v_empty(stage(n_total - 2)));
+    if (lane == 0 && n_main >= 2) mbar_arrive(v_empty(stage(n_main - 2)));
     rescale<D>(o, alpha);
     pack_frags<T, kBK>(pa, s);
-    const int sl = stage(n_total - 1);
-    mbar_wait(v_full(sl), parity(n_total - 1));
+    const int sl = stage(n_main - 1);
+    mbar_wait(v_full(sl), parity(n_main - 1));
     reg_fence(o);
     reg_fence_u(pa);
     wg_fence();
@@ -294,6 +310,38 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     reg_fence(o);
     if (lane == 0) mbar_arrive(v_empty(sl));
   }
+
+  // the parent's narrowed tail (tile n_main), without overlap: S, softmax, P V
+  auto narrow_tail_tile = [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    const int st = stage(n_main);
+    float sn[W / 2];
+    mbar_wait(k_full(st), parity(n_main));
+    wg_fence();
+    wgmma_rows_x_rows<T, D, kBQ, W, kBK>(sn, sQw, 0, sK + st * kBK * D);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(sn);
+    if (lane == 0) mbar_arrive(k_empty(st));
+#pragma unroll
+    for (int i = 0; i < kBK / 2; ++i) s[i] = i < W / 2 ? sn[i] : -INFINITY;
+    softmax_step<kBK>(s, m, l, alpha, kv_start(n_main), true, par1, row_a, row_w0, lane, sl2);
+    rescale<D>(o, alpha);
+    pack_frags<T, kBK>(pa, s);
+    mbar_wait(v_full(st), parity(n_main));
+    reg_fence(o);
+    reg_fence_u(pa);
+    wg_fence();
+    wgmma_regs_x_tile<T, D, kBK, W / 16>(o, pa, sV + st * kBK * D);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(o);
+    if (lane == 0) mbar_arrive(v_empty(st));
+  };
+  if (tail_w == 64)
+    narrow_tail_tile(std::integral_constant<int, 64>());
+  else if (tail_w == 128 && kBK > 128)
+    narrow_tail_tile(std::integral_constant<int, 128>());
 
   // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
   const long qs = (long)a.hq * D, shift = (long)qloc - q0;
@@ -311,6 +359,8 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream
   // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings)
   const char* pp = std::getenv("MEGATRON_DUALKV_WS_PINGPONG");
   auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false, kBK> : fwd_ws_kernel<T, D, true, kBK>;
+  const int narrow_tail = ws_fwd_tail_from_env();
+  if (narrow_tail < 0) return cudaErrorInvalidValue;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
@@ -319,11 +369,18 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream
   if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
       !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
-  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a);
+  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail);
   return cudaGetLastError();
 }
 
 }  // namespace sm90ws
+
+int ws_fwd_tail_from_env() {
+  const char* m = std::getenv("MEGATRON_DUALKV_WS_FWD_TAIL");
+  if (m == nullptr || m[0] == '\0' || strcmp(m, "narrow") == 0) return 1;
+  if (strcmp(m, "full") == 0) return 0;
+  return -1;
+}
 
 cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, cudaStream_t stream) {
   if (kv_tile != 128 && !(kv_tile == 176 && d == 128)) return cudaErrorInvalidValue;

@@ -44,6 +44,9 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
                                                       const at::Tensor& row_work, double scale, int64_t kv_tile) {
   check_ws_qkv(q, k, v);
   check_work(row_work, q, "row_work", 8);
+  TORCH_CHECK(mdkv::ws_fwd_tail_from_env() >= 0,
+              "megatron_dualkv: MEGATRON_DUALKV_WS_FWD_TAIL must be 'narrow' or 'full', got '",
+              std::getenv("MEGATRON_DUALKV_WS_FWD_TAIL"), "'");
   TORCH_CHECK(kv_tile == 128 || (kv_tile == 176 && q.size(2) == 128),
               "megatron_dualkv: fwd_ws_sm90 takes key tiles of 128 keys, or 176 at head dim 128; got ", kv_tile,
               " at head dim ", q.size(2));

@@ -80,16 +80,19 @@ __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo_bytes, uint
 __device__ __forceinline__ uint64_t desc_plus(uint64_t d, uint32_t bytes) { return d + (bytes >> 4); }
 
 // D[64 x N] (+)= A B^T over all D columns (issue only; the caller fences, commits and waits):
-// A = rows a_row0 .. a_row0 + 63 of an [RA x D] tile, B an [N x D] tile, both as panels (poff),
-// K-major; the first MMA overwrites D.
-template <typename T, int D, int RA, int N>
-__device__ __forceinline__ void wgmma_rows_x_rows(float (&d)[N / 2], const T* sA, int a_row0, const T* sB) {
+// A = rows a_row0 .. a_row0 + 63 of an [RA x D] tile, B the first N rows of an [RB x D] tile, both
+// as panels (poff), K-major; the first MMA overwrites D. With N < RB only D's first N / 2 registers
+// (columns 0 .. N - 1 of the accumulator layout) are written.
+template <typename T, int D, int RA, int N, int RB = N, int ND>
+__device__ __forceinline__ void wgmma_rows_x_rows(float (&d)[ND], const T* sA, int a_row0, const T* sB) {
+  static_assert(N <= RB && N / 2 <= ND, "the MMA is wider than the B tile or the accumulator");
+  float(&dn)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&d[0]);
   const uint64_t da0 = desc(sA + a_row0 * 64, 16, 1024), db0 = desc(sB, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint64_t da = desc_plus(da0, ((kk >> 2) * RA * 64 + (kk & 3) * 16) * (int)sizeof(T));
-    const uint64_t db = desc_plus(db0, ((kk >> 2) * N * 64 + (kk & 3) * 16) * (int)sizeof(T));
-    wgmma_ss<N, T>(d, da, db, kk > 0 ? 1 : 0);
+    const uint64_t db = desc_plus(db0, ((kk >> 2) * RB * 64 + (kk & 3) * 16) * (int)sizeof(T));
+    wgmma_ss<N, T>(dn, da, db, kk > 0 ? 1 : 0);
   }
 }
 
@@ -115,12 +118,13 @@ __device__ __forceinline__ void pack_frags(uint32_t (&p)[K / 16][4], const float
 }
 
 // D[64 x D] += P B (issue only): P [64 x K] in registers (K / 16 A fragments), B a [K x D] tile
-// (panels, read N-major)
-template <typename T, int D, int K>
+// (panels, read N-major); NK < K / 16: only P's first NK 16-key steps (the rest are zero)
+template <typename T, int D, int K, int NK = K / 16>
 __device__ __forceinline__ void wgmma_regs_x_tile(float (&d)[D / 2], const uint32_t (&p)[K / 16][4], const T* sB) {
+  static_assert(NK >= 1 && NK <= K / 16, "k-steps outside the tile");
   const uint64_t db0 = desc(sB, K * 64 * (int)sizeof(T), 1024);
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs_tb<D, T>(d, p[kk], desc_plus(db0, kk * 16 * 64 * (int)sizeof(T)), 1);
+  for (int kk = 0; kk < NK; ++kk) wgmma_rs_tb<D, T>(d, p[kk], desc_plus(db0, kk * 16 * 64 * (int)sizeof(T)), 1);
 }
 
 // dQ [64 x 64] (+)= dS K over the 16-key steps kk0 .. kk0 + NK - 1 (issue only): dS^T and K both

@@ -181,6 +181,7 @@ IMPLS = {
     "wsfwd": ("ws", "sm90"),
     "wsfwd-no-pingpong": ("ws", "sm90"),  # consumers issuing without turns
     "wsfwd-176": ("ws", "sm90"),          # 176-key tiles at head dim 128 (MEGATRON_DUALKV_WS_FWD_TILE=176)
+    "wsfwd-176-full-tail": ("ws", "sm90"),  # the same, the parent's last tile in key order at full width
     "wsbwd": ("sm90", "ws"),
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
@@ -199,8 +200,10 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_ATOMIC_DQ", "0")
     if impl == "wsfwd-no-pingpong":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PINGPONG", "0")
-    if impl == "wsfwd-176":
+    if impl.startswith("wsfwd-176"):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "176")
+    if impl == "wsfwd-176-full-tail":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "full")
     if impl == "wsbwd-no-turns":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_TURNS", "0")
     if impl == "wsbwd-atomic-dq":
@@ -397,6 +400,36 @@ def test_ws_forward_names_a_bad_key_tile():
         q, k, v, _ = inputs(seg.num_tokens, 4, 2, d, torch.bfloat16, seed=5)
         with pytest.raises(RuntimeError, match="176 at head dim 128"):
             torch.ops.megatron_dualkv.fwd_ws_sm90(q, k, v, rows, 0.1, tile)
+
+
+@gpu
+@pytest.mark.parametrize("tile", [128, 176])
+def test_ws_forward_tail_first_matches_key_order(tile, monkeypatch):
+    """The parent's last key tile last, after the loop, with narrowed MMAs (the default) against the
+    same tile in key order at full width: both as close to float64 as the other. Prompts of 1, 77, 130 and 1999
+    rows leave 1, 77, 2 and 79 keys in the last 128-key tile (narrowed to 64 or left full) and 1, 77,
+    130 and 63 in the last 176-key tile (64, 128, full, 64)."""
+    seg = make_segments([(1, [3, 40]), (77, [30, 200]), (130, [129]), (1999, [5, 300])], pad=5)
+    q, k, v, _ = inputs(seg.num_tokens, 32, 8, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", str(tile))
+    got = {}
+    for mode in ("narrow", "full"):
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", mode)
+        got[mode] = cuda_backend.forward(q, k, v, seg, 0.09, fwd_impl="ws")
+    ex_out, ex_lse = exact(q, k, v, q, seg, 0.09)[:2]
+    e = {mode: rel(out, ex_out) for mode, (out, _) in got.items()}
+    assert e["narrow"] <= e["full"] * 1.05 + 1e-7 and e["full"] <= e["narrow"] * 1.05 + 1e-7, e
+    for mode, (_, lse) in got.items():
+        assert (lse.double() - ex_lse).abs().max().item() < 1e-3, mode
+
+
+@gpu
+def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
+    seg = make_segments([(100, [30, 7])])
+    q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be"):
+        cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
 
 
 @gpu
