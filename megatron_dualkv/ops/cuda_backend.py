@@ -489,10 +489,12 @@ def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[
 
 # Mean keys per query tile from which the ws forward takes 176-key tiles (head dim 128): a wider
 # tile spreads each tile's fixed work (barrier waits, turns, fences) over more keys, but holds 2
-# K/V stages instead of 3 and fills and drains each CTA more slowly. H100, forward alone: 1-3 %
-# faster on the published shapes with P >= 32768 (22k-44k keys per query tile), level on
-# (28, 16384, R) (14-15k), 8-10 % slower on (28, 4096, R) (4-5k) (docs/PERF.md, fifteenth session).
-WIDE_TILE_KEYS = 20480
+# K/V stages instead of 3 and fills and drains each CTA more slowly. With the prompt's partial last
+# tile narrowed (the kernel's default), H100 forward alone, 176 / 128 keys: 0.980-0.984 on (28, P,
+# 2048) for P = 8192, 12288, 16384 (8.6k-15.4k keys per query tile), 0.981 on (28, 8192, 1024)
+# (7.7k), 0.993 on (28, 16384, 1024), level on (28, 4096, 2048) (5.0k) (docs/PERF.md, twentieth
+# session); 1-3 % faster on P >= 32768 before (fifteenth session).
+WIDE_TILE_KEYS = 6144
 
 
 def ws_fwd_tile(work: "Work", head_dim: int) -> int:
