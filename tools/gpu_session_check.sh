@@ -18,7 +18,9 @@
 #                                                 # each table ends with the mean SM clock and power
 #                                                 # while it ran (tools/smi_summary.py);
 #                                                 # $AB_PASSES passes (default 2), the order of
-#                                                 # $AB_LIBS reversed on even passes
+#                                                 # $AB_LIBS reversed on even passes; at the end
+#                                                 # tools/ab_summary.py's table (ratios to the
+#                                                 # first name)
 #   bash tools/gpu_session_check.sh yardstick     # the card's power limits, its bf16 matmul rate
 #                                                 # (cool and sustained; tools/bench_matmul.py),
 #                                                 # ours fwd+bwd and forward-only on the published
@@ -85,6 +87,8 @@ if [ "$1" = ab ]; then
     done
     [ -n "$AB_ONE_PASS" ] && break
   done
+  # every name's times side by side, ratios to the first name of $AB_LIBS
+  python3 tools/ab_summary.py "$OUT" --names "$(for s in $AB_LIBS; do echo "${s%%=*}"; done | paste -sd,)"
   exit 0
 fi
 if [ "$1" = yardstick ]; then
