@@ -25,11 +25,15 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
   python tools/bench_kernel.py --shapes 28x32768x2048,16x65536x1024 --backends flex-triton,sdpa-cudnn
   python tools/bench_kernel.py --backends cuda --ws-dq-ab   # ws backward: dQ by atomics vs TMA reduce-add
   python tools/bench_kernel.py --backends cuda --fwd-only   # forward only (packed backends), ~10 s
+  python tools/bench_kernel.py --fwd-only --interleave \
+      --backends "cuda[MEGATRON_DUALKV_WS_FWD_TILE=128],cuda[MEGATRON_DUALKV_WS_FWD_TILE=176]"
+      # two settings of the cuda backend timed run by run in turn, in one process
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
@@ -69,6 +73,31 @@ class Skip(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
+def _one_run(fwd, inputs, dout, fwd_only):
+    """Events before the forward, between it and its backward, and after (no backward: fwd_only)."""
+    e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    e[0].record()
+    out = fwd()
+    e[1].record()
+    grads = None if fwd_only else torch.autograd.grad(out, inputs, dout)
+    e[2].record()
+    del out, grads
+    return e
+
+
+def _medians(marks, fwd_only, label=""):
+    """Median forward, backward and forward+backward ms of synchronized runs (None: not timed)."""
+    if SHOW_RUNS:
+        print(f"    runs fwd ms{label}:", " ".join(f"{a.elapsed_time(b):.2f}" for a, b, _ in marks), flush=True)
+        if not fwd_only:
+            print(f"    runs bwd ms{label}:", " ".join(f"{b.elapsed_time(c):.2f}" for _, b, c in marks), flush=True)
+    f = statistics.median(a.elapsed_time(b) for a, b, _ in marks)
+    if fwd_only:
+        return f, None, None
+    return (f, statistics.median(b.elapsed_time(c) for _, b, c in marks),
+            statistics.median(a.elapsed_time(c) for a, _, c in marks))
+
+
 def time_fwd_bwd(fwd, inputs, dout, warmup, reps, fwd_only=False):
     """Median forward, backward and forward+backward ms over `reps` runs, and peak GiB.
 
@@ -77,33 +106,12 @@ def time_fwd_bwd(fwd, inputs, dout, warmup, reps, fwd_only=False):
     (its times are None).
     """
     for _ in range(warmup):
-        out = fwd()
-        if not fwd_only:
-            torch.autograd.grad(out, inputs, dout)
-        del out
+        _one_run(fwd, inputs, dout, fwd_only)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    marks = []
-    for _ in range(reps):
-        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        e[0].record()
-        out = fwd()
-        e[1].record()
-        grads = None if fwd_only else torch.autograd.grad(out, inputs, dout)
-        e[2].record()
-        del out, grads
-        marks.append(e)
+    marks = [_one_run(fwd, inputs, dout, fwd_only) for _ in range(reps)]
     torch.cuda.synchronize()
-    if SHOW_RUNS:
-        print("    runs fwd ms:", " ".join(f"{a.elapsed_time(b):.2f}" for a, b, _ in marks), flush=True)
-        if not fwd_only:
-            print("    runs bwd ms:", " ".join(f"{b.elapsed_time(c):.2f}" for _, b, c in marks), flush=True)
-    f = statistics.median(a.elapsed_time(b) for a, b, _ in marks)
-    if fwd_only:
-        return f, None, None, torch.cuda.max_memory_allocated() / GIB
-    b = statistics.median(b_.elapsed_time(c) for _, b_, c in marks)
-    fb = statistics.median(a.elapsed_time(c) for a, _, c in marks)
-    return f, b, fb, torch.cuda.max_memory_allocated() / GIB
+    return (*_medians(marks, fwd_only), torch.cuda.max_memory_allocated() / GIB)
 
 
 def randn(*shape):
@@ -132,8 +140,53 @@ def _flex_flash_static_entry(q, k, v, block_mask, scale):
                           kernel_options={"BACKEND": "FLASH"})
 
 
-def run_packed(name, shape, warmup, reps, state, fwd_only=False):
-    """cuda / flex-* on the packed micro-batch [P | R_1 | ... | R_N]."""
+class Packed:
+    """One packed backend set up on one shape: its inputs, its forward, and the environment its
+    launches need (cuda[VAR=VALUE;...]: set around every call, so that settings read at each
+    launch can be timed side by side in one process)."""
+
+    def __init__(self, fwd, inputs, dout, notes, env=None):
+        self.fwd, self.inputs, self.dout, self.notes, self._env = fwd, inputs, dout, notes, env or {}
+        self.peak = None
+
+    @contextlib.contextmanager
+    def env(self):
+        saved = {k: os.environ.get(k) for k in self._env}
+        os.environ.update(self._env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def run(self, fwd_only):
+        with self.env():
+            return _one_run(self.fwd, self.inputs, self.dout, fwd_only)
+
+
+def backend_env(name):
+    """("cuda", {VAR: VALUE}) for cuda[VAR=VALUE;...] ("dq" stands for MEGATRON_DUALKV_WS_DQ, the ws
+    backward's dQ path), (name, {}) for a plain name."""
+    if "[" not in name:
+        return name, {}
+    base, _, rest = name.partition("[")
+    if base != "cuda" or not rest.endswith("]"):
+        raise ValueError(f"{name!r}: settings in brackets are for cuda only, as cuda[VAR=VALUE;...]")
+    env = {}
+    for item in rest[:-1].split(";"):
+        var, eq, value = item.partition("=")
+        if not eq or not var.strip():
+            raise ValueError(f"{name!r}: {item!r} is not VAR=VALUE")
+        env["MEGATRON_DUALKV_WS_DQ" if var.strip() == "dq" else var.strip()] = value.strip()
+    return base, env
+
+
+def prepare_packed(name, shape, state, fwd_only=False) -> Packed:
+    """cuda / flex-* on the packed micro-batch [P | R_1 | ... | R_N]: fresh inputs and the first
+    call (compilation for flex, noted with its new graphs)."""
     n, p, r = shape
     seg = group_segments(n, p, r)
     t = seg.num_tokens
@@ -144,7 +197,8 @@ def run_packed(name, shape, warmup, reps, state, fwd_only=False):
     scale = 1.0 / math.sqrt(D)
     notes = []
 
-    if name == "cuda" or name.startswith("cuda[dq="):
+    base, env = backend_env(name)
+    if base == "cuda":
         try:
             from megatron_dualkv.ops import cuda_backend
         except ImportError as exc:
@@ -189,40 +243,82 @@ def run_packed(name, shape, warmup, reps, state, fwd_only=False):
     else:
         raise ValueError(name)
 
-    # cuda[dq=MODE] (--ws-dq-ab): the ws backward's dQ path, read by the extension at every launch
-    dq_mode = name[len("cuda[dq="):-1] if name.startswith("cuda[dq=") else None
-    saved_dq = os.environ.get("MEGATRON_DUALKV_WS_DQ")
-    if dq_mode:
-        os.environ["MEGATRON_DUALKV_WS_DQ"] = dq_mode
-    try:
-        return _time_packed(name, fwd, (q, k, v), dout, warmup, reps, state, shape, notes, fwd_only)
-    finally:
-        if dq_mode:
-            if saved_dq is None:
-                os.environ.pop("MEGATRON_DUALKV_WS_DQ", None)
-            else:
-                os.environ["MEGATRON_DUALKV_WS_DQ"] = saved_dq
-
-
-def _time_packed(name, fwd, inputs, dout, warmup, reps, state, shape, notes, fwd_only=False):
+    packed = Packed(fwd, (q, k, v), dout, notes, env)
     # first call: compilation (flex) / first launch; recompiles show in the graph counter
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = fwd()
-    if not fwd_only:
-        torch.autograd.grad(out, inputs, dout)
+    packed.run(fwd_only)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    del out
     new_graphs = counters["stats"]["unique_graphs"] - graphs
     if name.startswith("flex"):
         notes.append(f"1st call {first:.1f} s, {new_graphs} new graph(s)")
         state.setdefault("compiles", []).append((name, shape, first, new_graphs))
-    f, b, fb, peak = time_fwd_bwd(fwd, inputs, dout, warmup, reps, fwd_only)
-    return dict(fwd=f, bwd=b, fb=fb, peak=peak, notes=notes)
+    return packed
+
+
+def run_packed(name, shape, warmup, reps, state, fwd_only=False):
+    """One packed backend timed on its own: warm-up runs, then `reps` timed runs."""
+    p = prepare_packed(name, shape, state, fwd_only)
+    with p.env():
+        f, b, fb, peak = time_fwd_bwd(p.fwd, p.inputs, p.dout, warmup, reps, fwd_only)
+    return dict(fwd=f, bwd=b, fb=fb, peak=peak, notes=p.notes)
+
+
+def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
+    """Packed backends timed run by run in turn, so that each sees the same clocks (a card at its
+    power cap changes clock within one measurement: docs/PERF.md, twentieth session). Round i runs
+    every backend once, starting with backend i mod k. Peak GiB: each backend's own, over one run
+    after its first call, less what was allocated before its inputs. {name: result or status}."""
+    ready, results = {}, {}
+    for name in names:
+        base = torch.cuda.memory_allocated()
+        res = guarded(lambda: prepare_packed(name, shape, state, fwd_only))
+        if isinstance(res, dict):
+            results[name] = res
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        res.run(fwd_only)
+        torch.cuda.synchronize()
+        res.peak = (torch.cuda.max_memory_allocated() - base) / GIB
+        ready[name] = res
+    order = list(ready)
+    marks = {name: [] for name in order}
+    for i in range(warmup + reps):
+        for j in range(len(order)):
+            name = order[(i + j) % len(order)]
+            e = ready[name].run(fwd_only)
+            if i >= warmup:
+                marks[name].append(e)
+    torch.cuda.synchronize()
+    for name in order:
+        f, b, fb = _medians(marks[name], fwd_only, f" {name}")
+        results[name] = dict(fwd=f, bwd=b, fb=fb, peak=ready[name].peak,
+                             notes=ready[name].notes + ["interleaved"])
+    return results
+
+
+def _release():
+    gc.collect()  # tracebacks and cycles must not carry tensors into the next row
+    torch.cuda.empty_cache()
+
+
+def guarded(fn):
+    """fn()'s result, or a status row's dict when it cannot run here, runs out of memory or fails
+    (one backend's failure is a result too: reported, and the run goes on)."""
+    try:
+        return fn()
+    except Skip as exc:
+        return {"status": "n/a", "why": str(exc)}
+    except torch.OutOfMemoryError:
+        return {"status": "OOM", "why": "out of GPU memory"}
+    except Exception as exc:
+        traceback.print_exc()
+        return {"status": "error", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
 
 
 def _sdpa_kernel(name):
@@ -326,7 +422,11 @@ def parse_shapes(text):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", help="comma-separated NxPxR (default: the 10 published shapes)")
-    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma-separated, from {ALL_BACKENDS}")
+    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                    help=f"comma-separated, from {ALL_BACKENDS}; cuda[VAR=VALUE;...] runs cuda with those "
+                         "environment settings around every call (e.g. cuda[MEGATRON_DUALKV_WS_FWD_TILE=176]; "
+                         "cuda[dq=MODE] for MEGATRON_DUALKV_WS_DQ), so that with --interleave two settings "
+                         "are timed side by side in one process")
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, fewer repetitions (~2 min on an H100)")
     ap.add_argument("--reps", type=int, help="timed runs per measurement (default 10, quick 5; replicated SDPA: half)")
     ap.add_argument("--warmup", type=int, help="untimed runs before timing (default 3, quick 2; replicated SDPA: 1)")
@@ -334,6 +434,9 @@ def main(argv=None):
     ap.add_argument("--out", help="also write the markdown table (with device, versions, command) here")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only (packed backends)")
     ap.add_argument("--show-runs", action="store_true", help="print every timed run's forward and backward ms")
+    ap.add_argument("--interleave", action="store_true",
+                    help="time the packed backends of a shape run by run in turn instead of one after "
+                         "the other (same clocks for each: a fair side by side on a card at its power cap)")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
@@ -341,13 +444,17 @@ def main(argv=None):
     global SHOW_RUNS
     SHOW_RUNS = args.show_runs
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kernel.py needs a CUDA GPU")
     shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else ALL_SHAPES)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ALL_BACKENDS:
+        try:
+            base, _ = backend_env(b)
+        except ValueError as exc:
+            raise SystemExit(f"--backends: {exc}")
+        if base not in ALL_BACKENDS:
             raise SystemExit(f"--backends: unknown {b!r}; choose from {ALL_BACKENDS}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernel.py needs a CUDA GPU")
     if args.ws_dq_ab:
         backends = [x for b in backends for x in (["cuda[dq=atomic]", "cuda[dq=tma]"] if b == "cuda" else [b])]
     reps = args.reps or (5 if args.quick else 10)
@@ -361,35 +468,35 @@ def main(argv=None):
         "command: python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         f"Hq={HQ} Hkv={HKV} d={D} {str(DTYPE).replace('torch.', '')}; warm-up {warmup}, median of {reps} "
         f"(replicated SDPA: warm-up 1, median of {max(2, reps // 2)}); useful TF/s = dedup attention FLOPs / time",
-    ]
+    ] + (["interleaved: the packed backends of a shape alternate run by run (round i starts with the "
+          "i-th mod their count); peak GiB of each from one run of its own"] if args.interleave else [])
     print("\n".join(header), flush=True)
     torch.manual_seed(0)
     state: dict = {}
     rows = []
     started = time.perf_counter()
     for shape in shapes:
+        over = args.budget_s and time.perf_counter() - started > args.budget_s
+        together, t0 = {}, time.perf_counter()
+        if args.interleave and not over:
+            together = run_interleaved([b for b in backends if not b.startswith("sdpa")], shape, warmup, reps,
+                                       state, args.fwd_only)
+            _release()
         for backend in backends:
-            if args.budget_s and time.perf_counter() - started > args.budget_s:
+            if backend in together:
+                res = together[backend]
+            elif over or (args.budget_s and time.perf_counter() - started > args.budget_s):
                 res = {"status": "skipped", "why": "time budget"}
             else:
                 t0 = time.perf_counter()
-                try:
-                    if backend.startswith("sdpa"):
-                        res = run_replicated(backend, shape, 1, max(2, reps // 2), state)
-                    else:
-                        res = run_packed(backend, shape, warmup, reps, state, args.fwd_only)
-                except Skip as exc:
-                    res = {"status": "n/a", "why": str(exc)}
-                except torch.OutOfMemoryError:
-                    res = {"status": "OOM", "why": "out of GPU memory"}
-                except Exception as exc:  # report and go on: one backend's failure is a result too
-                    traceback.print_exc()
-                    res = {"status": "error", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-                gc.collect()  # tracebacks and cycles must not carry tensors into the next row
-                torch.cuda.empty_cache()
-                fb = "" if res.get("fb") is None else f", fwd+bwd {res['fb']:.2f} ms"
-                print(f"  [{time.perf_counter() - t0:6.1f}s] {shape} {backend}: "
-                      + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms{fb}"), flush=True)
+                if backend.startswith("sdpa"):
+                    res = guarded(lambda: run_replicated(backend, shape, 1, max(2, reps // 2), state))
+                else:
+                    res = guarded(lambda: run_packed(backend, shape, warmup, reps, state, args.fwd_only))
+                _release()
+            fb = "" if res.get("fb") is None else f", fwd+bwd {res['fb']:.2f} ms"
+            print(f"  [{time.perf_counter() - t0:6.1f}s] {shape} {backend}: "
+                  + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms{fb}"), flush=True)
             rows.append(row_for(shape, backend, res))
             if args.out:  # rewritten after every measurement: a run cut short keeps what it measured
                 with open(args.out, "w") as fh:
