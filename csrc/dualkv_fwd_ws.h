@@ -11,12 +11,10 @@ namespace mdkv {
 // q, k, v must be 16-byte aligned (any torch allocation is). kv_tile: keys per K/V tile, 128, or
 // 176 at d = 128 (cudaErrorInvalidValue otherwise). Returns cudaErrorInvalidResourceHandle when a
 // TMA tensor map cannot be encoded.
-cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, cudaStream_t stream);
-// The parent's last key tile, from MEGATRON_DUALKV_WS_FWD_TAIL (read at every launch): 1 = "narrow"
-// (unset or empty too: last, with its MMAs narrowed to 64 or 128 keys where they cover its keys),
-// 0 = "full" (in key order at full width, an A/B switch), -1 = any other value (launch_fwd_ws_sm90
-// then returns cudaErrorInvalidValue).
-int ws_fwd_tail_from_env();
+// narrow_tail: a parent's partial last key tile runs after the row's own tiles with its MMAs
+// narrowed to 64 or 128 keys where they cover its keys; false: in key order at full width.
+cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, bool narrow_tail,
+                               cudaStream_t stream);
 
 }  // namespace mdkv
 

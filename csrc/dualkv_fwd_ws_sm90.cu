@@ -8,10 +8,12 @@
 //     of Q once and of every K/V tile (128 rows) into a 3-stage ring; registers cut to 40
 //     (setmaxnreg) so the consumers can have 232. At head dim 128 the caller may ask for 176-key
 //     tiles instead (kv_tile; cuda_backend.ws_fwd_tile takes them for layouts whose query tiles
-//     attend >= 20480 keys on average): a 2-stage ring, 24 / 240 registers (ptxas spills 12-16
-//     bytes there: the turn's barrier id, reloaded once per tile), 1-3.5 % faster on the
-//     published shapes with P >= 32768, 8-10 % slower on short rows (docs/PERF.md, fifteenth
-//     session).
+//     attend >= 6144 keys on average): a 2-stage ring, 24 / 240 registers (ptxas spills 12-20
+//     bytes there: the turn's barrier id, reloaded once per tile), 2-4 % faster from (28, 8192, R)
+//     up, 1.6-3 % slower on (28, 4096, R) (docs/PERF.md, fifteenth and twentieth sessions).
+//   A parent's partial last key tile (P = 16384 in 176-key tiles: 16 real keys of 176) runs after
+//     the row's own tiles with its MMAs narrowed to 64 or 128 keys when the caller asks
+//     (narrow_tail; cuda_backend.ws_fwd_narrow_tail: below 32768 keys per query tile on average).
 //   warpgroups 1, 2, consumers: 64 query rows each. They never meet at a CTA barrier: each
 //     waits on the stage's "full" mbarriers and arrives (lane 0 of each warp) on the stage's
 //     "empty" mbarriers once its MMAs reading K (S = Q K^T) or V (O += P V) have completed.
@@ -43,7 +45,6 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include <type_traits>
 #include <math.h>
 
@@ -354,13 +355,11 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 // ---------------------------------------------------------------------------------------------
 
 template <typename T, int D, int kBK>
-static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
+static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, bool narrow_tail, cudaStream_t stream) {
   using L = Smem<T, D, kBK>;
   // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings)
   const char* pp = std::getenv("MEGATRON_DUALKV_WS_PINGPONG");
   auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false, kBK> : fwd_ws_kernel<T, D, true, kBK>;
-  const int narrow_tail = ws_fwd_tail_from_env();
-  if (narrow_tail < 0) return cudaErrorInvalidValue;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
@@ -369,30 +368,25 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, cudaStream
   if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
       !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
-  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail);
+  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? 1 : 0);
   return cudaGetLastError();
 }
 
 }  // namespace sm90ws
 
-int ws_fwd_tail_from_env() {
-  const char* m = std::getenv("MEGATRON_DUALKV_WS_FWD_TAIL");
-  if (m == nullptr || m[0] == '\0' || strcmp(m, "narrow") == 0) return 1;
-  if (strcmp(m, "full") == 0) return 0;
-  return -1;
-}
-
-cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, cudaStream_t stream) {
+cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, bool narrow_tail,
+                               cudaStream_t stream) {
   if (kv_tile != 128 && !(kv_tile == 176 && d == 128)) return cudaErrorInvalidValue;
   const bool wide = kv_tile == 176;
   constexpr auto bf = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, hf = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   if (dtype == kBF16 && d == 128)
-    return wide ? sm90ws::fwd_ws_t<__nv_bfloat16, 128, 176>(a, bf, stream)
-                : sm90ws::fwd_ws_t<__nv_bfloat16, 128, 128>(a, bf, stream);
-  if (dtype == kBF16 && d == 64) return sm90ws::fwd_ws_t<__nv_bfloat16, 64, 128>(a, bf, stream);
+    return wide ? sm90ws::fwd_ws_t<__nv_bfloat16, 128, 176>(a, bf, narrow_tail, stream)
+                : sm90ws::fwd_ws_t<__nv_bfloat16, 128, 128>(a, bf, narrow_tail, stream);
+  if (dtype == kBF16 && d == 64) return sm90ws::fwd_ws_t<__nv_bfloat16, 64, 128>(a, bf, narrow_tail, stream);
   if (dtype == kFP16 && d == 128)
-    return wide ? sm90ws::fwd_ws_t<__half, 128, 176>(a, hf, stream) : sm90ws::fwd_ws_t<__half, 128, 128>(a, hf, stream);
-  if (dtype == kFP16 && d == 64) return sm90ws::fwd_ws_t<__half, 64, 128>(a, hf, stream);
+    return wide ? sm90ws::fwd_ws_t<__half, 128, 176>(a, hf, narrow_tail, stream)
+                : sm90ws::fwd_ws_t<__half, 128, 128>(a, hf, narrow_tail, stream);
+  if (dtype == kFP16 && d == 64) return sm90ws::fwd_ws_t<__half, 64, 128>(a, hf, narrow_tail, stream);
   return cudaErrorInvalidValue;
 }
 

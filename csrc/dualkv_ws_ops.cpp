@@ -2,8 +2,10 @@
 // csrc/dualkv_bwd_ws_sm90.cu), added to the `megatron_dualkv` library defined in
 // csrc/dualkv_ops.cpp:
 //
-//   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale, kv_tile=128) -> (out [Tq,Hq,D], lse [Hq,Tq] fp32)
-//     kv_tile: keys per tile, 128 or (head dim 128 only) 176
+//   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale, kv_tile=128, narrow_tail=True) -> (out [Tq,Hq,D], lse [Hq,Tq] fp32)
+//     kv_tile: keys per tile, 128 or (head dim 128 only) 176; narrow_tail: a parent's partial last
+//     key tile after the row's own tiles, its MMAs narrowed to 64 or 128 keys (else in key order at
+//     full width; cuda_backend.ws_fwd_narrow_tail chooses per layout)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
 //                                deterministic, split_slots=0) -> (dq, dk, dv)      (fast mode only)
 //
@@ -41,19 +43,17 @@ void check_ws_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
 }
 
 std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                      const at::Tensor& row_work, double scale, int64_t kv_tile) {
+                                                      const at::Tensor& row_work, double scale, int64_t kv_tile,
+                                                      bool narrow_tail) {
   check_ws_qkv(q, k, v);
   check_work(row_work, q, "row_work", 8);
-  TORCH_CHECK(mdkv::ws_fwd_tail_from_env() >= 0,
-              "megatron_dualkv: MEGATRON_DUALKV_WS_FWD_TAIL must be 'narrow' or 'full', got '",
-              std::getenv("MEGATRON_DUALKV_WS_FWD_TAIL"), "'");
   TORCH_CHECK(kv_tile == 128 || (kv_tile == 176 && q.size(2) == 128),
               "megatron_dualkv: fwd_ws_sm90 takes key tiles of 128 keys, or 176 at head dim 128; got ", kv_tile,
               " at head dim ", q.size(2));
   c10::cuda::CUDAGuard guard(q.device());
   const FwdCall c = fwd_call(q, k, v, row_work, scale);
-  auto err =
-      mdkv::launch_fwd_ws_sm90(c.args, dtype_code(q), q.size(2), (int)kv_tile, at::cuda::getCurrentCUDAStream());
+  auto err = mdkv::launch_fwd_ws_sm90(c.args, dtype_code(q), q.size(2), (int)kv_tile, narrow_tail,
+                                      at::cuda::getCurrentCUDAStream());
   check_launch(err, "fwd_ws_sm90", true);
   return {c.out, c.lse};
 }
@@ -104,15 +104,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 }  // namespace
 
 // The format of the ws work lists and ops this build reads (cuda_backend.WS_LIST_FORMAT; 2: kv item
-// field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile). The package refuses a
-// build that reads another format: a format-1 build would take a phase walk for a split part and
-// write outside its workspace, a format-2 one has no kv_tile argument.
-constexpr int64_t kWsListFormat = 3;
+// field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile; 4: and narrow_tail). The
+// package refuses a build that reads another format: a format-1 build would take a phase walk for a
+// split part and write outside its workspace, a format-2 one has no kv_tile argument, a format-3
+// one no narrow_tail.
+constexpr int64_t kWsListFormat = 4;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
   std::string ws_fwd = mdkv::op_args::fwd_schema("fwd_ws_sm90");
-  ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128");
+  ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True");
   m.def(ws_fwd.c_str());
   std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
   ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0");

@@ -1,6 +1,6 @@
 """tools/bench_kernel.py on the CPU. Interleaved timing (--interleave): the backends of a shape take
 turns run by run, each round starting with the next one, warm-up rounds untimed, and each backend's
-medians from its own runs only (the GPU calls replaced by recorders). Backend settings in brackets
+medians from its own runs only, all on the same inputs (the GPU calls replaced by recorders). Backend settings in brackets
 (cuda[VAR=VALUE;...]): parsed, held around each run only, bad ones named."""
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2 ** 30)
     ms = {"cuda": 10.0, "flex-flash": 20.0}
+    shared = ("layout", torch.empty(2 ** 27), torch.empty(0), torch.empty(0), torch.empty(0))  # 0.5 GiB of inputs
+    monkeypatch.setattr(bench_kernel, "packed_inputs", lambda shape: shared)
 
-    def prepare(name, shape, state, fwd_only=False):
+    def prepare(name, shape, state, fwd_only=False, data=None):
+        assert data is shared, "every backend of the shape gets the same inputs"
         if name == "flex-triton":
             raise bench_kernel.Skip("not here")
         return _FakePacked(name, ms[name], log)
@@ -67,7 +70,7 @@ def test_backends_take_turns_and_warm_up_is_not_timed(fake_gpu, fwd_only):
         assert res["cuda"]["bwd"] is None and res["cuda"]["fb"] is None
     else:
         assert res["cuda"]["bwd"] == 20.0 and res["cuda"]["fb"] == 30.0 + 7
-    assert res["cuda"]["peak"] == 1.0 and res["cuda"]["notes"] == ["cuda note", "interleaved"]
+    assert res["cuda"]["peak"] == 1.5 and res["cuda"]["notes"] == ["cuda note", "interleaved"]  # inputs once
 
 
 def test_backend_settings_in_brackets():

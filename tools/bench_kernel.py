@@ -184,16 +184,21 @@ def backend_env(name):
     return base, env
 
 
-def prepare_packed(name, shape, state, fwd_only=False) -> Packed:
-    """cuda / flex-* on the packed micro-batch [P | R_1 | ... | R_N]: fresh inputs and the first
-    call (compilation for flex, noted with its new graphs)."""
-    n, p, r = shape
-    seg = group_segments(n, p, r)
+def packed_inputs(shape):
+    """(layout, q, k, v, dout) of the packed micro-batch [P | R_1 | ... | R_N], fresh random."""
+    seg = group_segments(*shape)
     t = seg.num_tokens
     q, k, v = randn(t, HQ, D), randn(t, HKV, D), randn(t, HKV, D)
     for x in (q, k, v):
         x.requires_grad_()
-    dout = randn(t, HQ, D)
+    return seg, q, k, v, randn(t, HQ, D)
+
+
+def prepare_packed(name, shape, state, fwd_only=False, data=None) -> Packed:
+    """cuda / flex-* on the packed micro-batch: fresh inputs (or `data`, packed_inputs' tuple) and
+    the first call (compilation for flex, noted with its new graphs)."""
+    seg, q, k, v, dout = data or packed_inputs(shape)
+    t = seg.num_tokens
     scale = 1.0 / math.sqrt(D)
     notes = []
 
@@ -269,14 +274,18 @@ def run_packed(name, shape, warmup, reps, state, fwd_only=False):
 
 
 def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
-    """Packed backends timed run by run in turn, so that each sees the same clocks (a card at its
-    power cap changes clock within one measurement: docs/PERF.md, twentieth session). Round i runs
-    every backend once, starting with backend i mod k. Peak GiB: each backend's own, over one run
-    after its first call, less what was allocated before its inputs. {name: result or status}."""
+    """Packed backends timed run by run in turn on the same inputs, so that each sees the same
+    clocks and the same data at the same addresses (a card at its power cap changes clock within
+    one measurement; inputs placed elsewhere moved one setting's time by up to 3 %: docs/PERF.md,
+    twentieth session). Round i runs every backend once, starting with backend i mod k. Peak GiB:
+    each backend's own over one run after its first call, with the inputs counted once, as when
+    it runs alone. {name: result or status}."""
     ready, results = {}, {}
+    data = packed_inputs(shape)
+    input_bytes = sum(x.numel() * x.element_size() for x in data[1:])
     for name in names:
         base = torch.cuda.memory_allocated()
-        res = guarded(lambda: prepare_packed(name, shape, state, fwd_only))
+        res = guarded(lambda: prepare_packed(name, shape, state, fwd_only, data))
         if isinstance(res, dict):
             results[name] = res
             continue
@@ -284,7 +293,7 @@ def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
         torch.cuda.reset_peak_memory_stats()
         res.run(fwd_only)
         torch.cuda.synchronize()
-        res.peak = (torch.cuda.max_memory_allocated() - base) / GIB
+        res.peak = (torch.cuda.max_memory_allocated() - base + input_bytes) / GIB
         ready[name] = res
     order = list(ready)
     marks = {name: [] for name in order}
@@ -468,8 +477,8 @@ def main(argv=None):
         "command: python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         f"Hq={HQ} Hkv={HKV} d={D} {str(DTYPE).replace('torch.', '')}; warm-up {warmup}, median of {reps} "
         f"(replicated SDPA: warm-up 1, median of {max(2, reps // 2)}); useful TF/s = dedup attention FLOPs / time",
-    ] + (["interleaved: the packed backends of a shape alternate run by run (round i starts with the "
-          "i-th mod their count); peak GiB of each from one run of its own"] if args.interleave else [])
+    ] + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (round i "
+          "starts with the i-th mod their count); peak GiB of each from one run of its own"] if args.interleave else [])
     print("\n".join(header), flush=True)
     torch.manual_seed(0)
     state: dict = {}

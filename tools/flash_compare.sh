@@ -11,7 +11,8 @@
 #   MATMUL=1 ...                                      # also the card's bf16 matmul rate before and after
 #       (tools/bench_matmul.py) and every row as a fraction of its sustained rate
 #   INTERLEAVE=1 ...                                  # the two backends take turns run by run
-#       (bench_kernel.py --interleave): the same clocks for both on a card at its power cap
+#       (bench_kernel.py --interleave): the same clocks and inputs for both on a card at its power cap
+#   SHOW_RUNS=1 ...                                   # every timed run's ms in the fbN / foN logs
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,7 +36,7 @@ fi
 for spec in "${runs[@]}"; do
   set -- $spec; name=$1; be=$2; shift 2
   t0=$(date +%s)
-  python3 tools/bench_kernel.py --backends "$be" --reps "${REPS:-7}" --warmup 2 $S ${INTERLEAVE:+--interleave} "$@" --out "$OUT/$name.md" \
+  python3 tools/bench_kernel.py --backends "$be" --reps "${REPS:-7}" --warmup 2 $S ${INTERLEAVE:+--interleave} ${SHOW_RUNS:+--show-runs} "$@" --out "$OUT/$name.md" \
     > "$OUT/$name.log" 2>&1
   rc=$?; echo "$name rc=$rc $(( $(date +%s) - t0 ))s"; [ $rc = 0 ] || tail -5 "$OUT/$name.log"
 done

@@ -93,8 +93,8 @@ def _load() -> tuple[bool, str]:
 # The format of the ws work lists and ops this package uses; csrc/dualkv_ws_ops.cpp's kWsListFormat
 # is the one a build reads. 2: kv item field 7 < 0 marks a phase-aligned walk (a build before it
 # would take such an item for a split part and write outside its workspace); 3: fwd_ws_sm90 takes
-# the key tile width (kv_tile).
-WS_LIST_FORMAT = 3
+# the key tile width (kv_tile); 4: and narrow_tail.
+WS_LIST_FORMAT = 4
 
 
 def _list_format_problem() -> str:
@@ -511,6 +511,26 @@ def ws_fwd_tile(work: "Work", head_dim: int) -> int:
     return 176 if work.fwd_mean_keys >= WIDE_TILE_KEYS else 128
 
 
+# Mean keys per query tile below which the ws forward runs a parent's partial last key tile after
+# the row's own tiles with narrowed MMAs (64 or 128 keys) instead of in key order at full width.
+# H100, forward alone, interleaved in one process, narrowed / full at 176 keys: 0.955 on (28, 4096,
+# 2048), 0.986-0.988 on (28, 16384, R), 0.990-1.006 on P = 32768 (22-25k keys), 1.013-1.019 on
+# (16, 65536, R) (39-44k keys; two cards) (docs/PERF.md, twentieth session).
+NARROW_TAIL_KEYS = 32768
+
+
+def ws_fwd_narrow_tail(work: "Work") -> bool:
+    """Whether the ws forward narrows a parent's partial last key tile on this layout: below
+    NARROW_TAIL_KEYS mean keys per query tile. MEGATRON_DUALKV_WS_FWD_TAIL=narrow or full forces
+    one (an A/B switch)."""
+    forced = os.environ.get("MEGATRON_DUALKV_WS_FWD_TAIL", "auto")
+    if forced not in ("auto", "narrow", "full"):
+        raise ValueError(f"MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full', got {forced!r}")
+    if forced != "auto":
+        return forced == "narrow"
+    return work.fwd_mean_keys < NARROW_TAIL_KEYS
+
+
 def ws_split(q: Tensor, k: Tensor) -> Optional[tuple[int, int, int]]:
     """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs), or None with
     MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA; for A/B timings)."""
@@ -574,7 +594,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("megatron_dualkv::fwd")(_fwd_fake)
     torch.library.register_fake("megatron_dualkv::fwd_sm90")(_fwd_fake)
 
-    def _fwd_ws_fake(q, k, v, row_work, scale, kv_tile=128):
+    def _fwd_ws_fake(q, k, v, row_work, scale, kv_tile=128, narrow_tail=True):
         return _fwd_fake(q, k, v, row_work, scale)
 
     if _has_op("fwd_ws_sm90"):  # absent from extensions built before it existed
@@ -591,16 +611,17 @@ def _register_python_side() -> None:
 
 class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
-    bwd_kind, split_slots, fwd_tile): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
+    bwd_kind, split_slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
     (`_lists` picks the work lists that match both kinds); split_slots: the ws backward's key tiles
-    split by query rows; fwd_tile: the ws forward's keys per tile (`ws_fwd_tile`)."""
+    split by query rows; fwd_tiling: the ws forward's (keys per tile, narrowed parent tail)
+    (`ws_fwd_tile`, `ws_fwd_narrow_tail`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
-                split_slots, fwd_tile):
+                split_slots, fwd_tiling):
         ops = torch.ops.megatron_dualkv
         if fwd_kind == "ws":
-            out, lse = ops.fwd_ws_sm90(q, k, v, fwd_rows, scale, fwd_tile)
+            out, lse = ops.fwd_ws_sm90(q, k, v, fwd_rows, scale, *fwd_tiling)
         else:
             out, lse = {"sm90": ops.fwd_sm90, "mma": ops.fwd}[fwd_kind](q, k, v, fwd_rows, scale)
         ctx.save_for_backward(q, k, v, out, lse, bwd_rows, bwd_kv, bwd_ranges)
@@ -699,9 +720,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     split = ws_split(q, k) if ws_bwd else None
     work = work_tensors(segments, q.device, chunks, split, ws_bwd and ws_phase())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi, bool(deterministic))
-    fwd_tile = ws_fwd_tile(work, q.shape[-1]) if fi == "ws" else 128
+    fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail(work)) if fi == "ws" else (128, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
-                                 slots, fwd_tile)
+                                 slots, fwd_tiling)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,

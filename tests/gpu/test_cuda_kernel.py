@@ -405,8 +405,9 @@ def test_ws_forward_names_a_bad_key_tile():
 @gpu
 @pytest.mark.parametrize("tile", [128, 176])
 def test_ws_forward_tail_first_matches_key_order(tile, monkeypatch):
-    """The parent's last key tile last, after the loop, with narrowed MMAs (the default) against the
-    same tile in key order at full width: both as close to float64 as the other. Prompts of 1, 77, 130 and 1999
+    """The parent's last key tile last, after the loop, with narrowed MMAs (the default below
+    NARROW_TAIL_KEYS) against the same tile in key order at full width: both as close to float64
+    as the other. Prompts of 1, 77, 130 and 1999
     rows leave 1, 77, 2 and 79 keys in the last 128-key tile (narrowed to 64 or left full) and 1, 77,
     130 and 63 in the last 176-key tile (64, 128, full, 64)."""
     seg = make_segments([(1, [3, 40]), (77, [30, 200]), (130, [129]), (1999, [5, 300])], pad=5)
@@ -428,7 +429,7 @@ def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
     seg = make_segments([(100, [30, 7])])
     q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
-    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be"):
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be"):
         cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
 
 
@@ -444,13 +445,15 @@ def test_ws_backward_names_a_bad_switch(var, monkeypatch):
 
 
 @gpu
-def test_torch_compile_traces_the_ops():
+@pytest.mark.parametrize("fwd_kind, tiling", [("sm90", (128, False)), ("ws", (176, True))])
+def test_torch_compile_traces_the_ops(fwd_kind, tiling):
     seg = make_segments([(200, [10, 70])])
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
-    lists = cuda_backend._lists(cuda_backend.work_tensors(seg, q.device), "sm90", "sm90", False)
+    lists = cuda_backend._lists(cuda_backend.work_tensors(seg, q.device), fwd_kind, "sm90", False)
 
     def f(q, k, v):
-        return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, "sm90", lists[4], lists[5], 128)[0]
+        return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, fwd_kind, lists[4], lists[5],
+                                                  tiling)[0]
 
     qq = q.clone().requires_grad_(True)
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(qq, k, v)
@@ -657,7 +660,8 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     too: it takes the tile width of the whole micro-batch) of the keys their last row attends,
     rounded up to 64-key tiles per part (the row items' cost); ws_fwd_tile takes 176 keys
     at head dim 128 from WIDE_TILE_KEYS on, the switch forces 128 or 176 (head dim 64: 128 always)
-    and names itself when set to anything else."""
+    and names itself when set to anything else; ws_fwd_narrow_tail narrows the parent's partial last
+    tile below NARROW_TAIL_KEYS, forced and named the same way."""
     seg = make_segments(groups, device="cpu")
     chunks = random_chunks(seg.num_tokens, random.Random(3))[1] if local else None
     work = cuda_backend.Work(seg, torch.device("cpu"), chunks)
@@ -676,6 +680,17 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "wide")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TILE"):
         cuda_backend.ws_fwd_tile(work, 128)
+    # the parent's partial last tile narrowed below NARROW_TAIL_KEYS, unless forced
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL", raising=False)
+    longest = type("W", (), {"fwd_mean_keys": cuda_backend.NARROW_TAIL_KEYS})()
+    assert cuda_backend.ws_fwd_narrow_tail(work) and not cuda_backend.ws_fwd_narrow_tail(longest)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "narrow")
+    assert cuda_backend.ws_fwd_narrow_tail(longest)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "full")
+    assert not cuda_backend.ws_fwd_narrow_tail(work)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full'"):
+        cuda_backend.ws_fwd_narrow_tail(work)
 
 
 @pytest.mark.parametrize("groups, local", [
