@@ -13,7 +13,7 @@
 //     up, 1.6-3 % slower on (28, 4096, R) (docs/PERF.md, fifteenth and twentieth sessions).
 //   A parent's partial last key tile (P = 16384 in 176-key tiles: 16 real keys of 176) runs after
 //     the row's own tiles with its MMAs narrowed to 64 or 128 keys when the caller asks
-//     (narrow_tail; cuda_backend.ws_fwd_narrow_tail: below 32768 keys per query tile on average).
+//     (narrow_tail; cuda_backend.ws_fwd_narrow_tail: on every layout unless forced to key order).
 //   warpgroups 1, 2, consumers: 64 query rows each. They never meet at a CTA barrier: each
 //     waits on the stage's "full" mbarriers and arrives (lane 0 of each warp) on the stage's
 //     "empty" mbarriers once its MMAs reading K (S = Q K^T) or V (O += P V) have completed.

@@ -5,7 +5,7 @@
 //   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale, kv_tile=128, narrow_tail=True) -> (out [Tq,Hq,D], lse [Hq,Tq] fp32)
 //     kv_tile: keys per tile, 128 or (head dim 128 only) 176; narrow_tail: a parent's partial last
 //     key tile after the row's own tiles, its MMAs narrowed to 64 or 128 keys (else in key order at
-//     full width; cuda_backend.ws_fwd_narrow_tail chooses per layout)
+//     full width; cuda_backend.ws_fwd_narrow_tail chooses)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
 //                                deterministic, split_slots=0) -> (dq, dk, dv)      (fast mode only)
 //

@@ -1,5 +1,5 @@
 """tools/bench_kernel.py on the CPU. Interleaved timing (--interleave): the backends of a shape take
-turns run by run, each round starting with the next one, warm-up rounds untimed, and each backend's
+turns run by run, each round in its own order, warm-up rounds untimed, and each backend's
 medians from its own runs only, all on the same inputs (the GPU calls replaced by recorders). Backend settings in brackets
 (cuda[VAR=VALUE;...]): parsed, held around each run only, bad ones named."""
 
@@ -60,16 +60,21 @@ def fake_gpu(monkeypatch):
 
 @pytest.mark.parametrize("fwd_only", [True, False])
 def test_backends_take_turns_and_warm_up_is_not_timed(fake_gpu, fwd_only):
-    res = bench_kernel.run_interleaved(["cuda", "flex-flash", "flex-triton"], (2, 64, 32), 1, 3, {}, fwd_only)
-    # one run each for the peak, then 4 rounds, each starting with the next backend
-    assert fake_gpu == ["cuda", "flex-flash"] + ["cuda", "flex-flash", "flex-flash", "cuda"] * 2
+    res = bench_kernel.run_interleaved(["cuda", "flex-flash", "flex-triton"], (2, 64, 32), 2, 9, {}, fwd_only)
     assert res["flex-triton"] == {"status": "n/a", "why": "not here"}
-    # timed rounds 1..3: cuda ran as run 6, 7 and 10 of the log, flex-flash as 5, 8 and 9
-    assert res["cuda"]["fwd"] == 10.0 + 7 and res["flex-flash"]["fwd"] == 20.0 + 8
-    if fwd_only:
-        assert res["cuda"]["bwd"] is None and res["cuda"]["fb"] is None
-    else:
-        assert res["cuda"]["bwd"] == 20.0 and res["cuda"]["fb"] == 30.0 + 7
+    # one run each for the peak, then 11 rounds, each running both once, in orders that vary
+    assert fake_gpu[:2] == ["cuda", "flex-flash"] and len(fake_gpu) == 2 + 2 * 11
+    rounds = [tuple(fake_gpu[i:i + 2]) for i in range(2, len(fake_gpu), 2)]
+    assert all(sorted(r) == ["cuda", "flex-flash"] for r in rounds) and len(set(rounds)) == 2
+    # medians over the 9 timed rounds only: run k of the log (from 1) takes ms + k, and round i
+    # holds runs 3 + 2 i and 4 + 2 i
+    for name, ms in (("cuda", 10.0), ("flex-flash", 20.0)):
+        k = sorted(3 + 2 * i + r.index(name) for i, r in enumerate(rounds) if i >= 2)[4]
+        assert res[name]["fwd"] == ms + k
+        if fwd_only:
+            assert res[name]["bwd"] is None and res[name]["fb"] is None
+        else:
+            assert res[name]["bwd"] == 2 * ms and res[name]["fb"] == 3 * ms + k
     assert res["cuda"]["peak"] == 1.5 and res["cuda"]["notes"] == ["cuda note", "interleaved"]  # inputs once
 
 

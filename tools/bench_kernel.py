@@ -39,6 +39,7 @@ import gc
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -277,7 +278,9 @@ def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
     """Packed backends timed run by run in turn on the same inputs, so that each sees the same
     clocks and the same data at the same addresses (a card at its power cap changes clock within
     one measurement; inputs placed elsewhere moved one setting's time by up to 3 %: docs/PERF.md,
-    twentieth session). Round i runs every backend once, starting with backend i mod k. Peak GiB:
+    twentieth session). Each round runs every backend once, in an order drawn at random per
+    round (fixed seed): a fixed rotation aliased with a card's clock swinging every 9 runs, and
+    the backend first in the list ran 4 % faster than the same setting third. Peak GiB:
     each backend's own over one run after its first call, with the inputs counted once, as when
     it runs alone. {name: result or status}."""
     ready, results = {}, {}
@@ -297,9 +300,9 @@ def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
         ready[name] = res
     order = list(ready)
     marks = {name: [] for name in order}
+    rng = random.Random(0)
     for i in range(warmup + reps):
-        for j in range(len(order)):
-            name = order[(i + j) % len(order)]
+        for name in rng.sample(order, len(order)):
             e = ready[name].run(fwd_only)
             if i >= warmup:
                 marks[name].append(e)
@@ -477,8 +480,8 @@ def main(argv=None):
         "command: python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         f"Hq={HQ} Hkv={HKV} d={D} {str(DTYPE).replace('torch.', '')}; warm-up {warmup}, median of {reps} "
         f"(replicated SDPA: warm-up 1, median of {max(2, reps // 2)}); useful TF/s = dedup attention FLOPs / time",
-    ] + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (round i "
-          "starts with the i-th mod their count); peak GiB of each from one run of its own"] if args.interleave else [])
+    ] + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (each "
+          "round in a random order); peak GiB of each from one run of its own"] if args.interleave else [])
     print("\n".join(header), flush=True)
     torch.manual_seed(0)
     state: dict = {}

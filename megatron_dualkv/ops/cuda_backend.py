@@ -511,24 +511,17 @@ def ws_fwd_tile(work: "Work", head_dim: int) -> int:
     return 176 if work.fwd_mean_keys >= WIDE_TILE_KEYS else 128
 
 
-# Mean keys per query tile below which the ws forward runs a parent's partial last key tile after
-# the row's own tiles with narrowed MMAs (64 or 128 keys) instead of in key order at full width.
-# H100, forward alone, interleaved in one process, narrowed / full at 176 keys: 0.955 on (28, 4096,
-# 2048), 0.986-0.988 on (28, 16384, R), 0.990-1.006 on P = 32768 (22-25k keys), 1.013-1.019 on
-# (16, 65536, R) (39-44k keys; two cards) (docs/PERF.md, twentieth session).
-NARROW_TAIL_KEYS = 32768
-
-
 def ws_fwd_narrow_tail(work: "Work") -> bool:
-    """Whether the ws forward narrows a parent's partial last key tile on this layout: below
-    NARROW_TAIL_KEYS mean keys per query tile. MEGATRON_DUALKV_WS_FWD_TAIL=narrow or full forces
-    one (an A/B switch)."""
+    """Whether the ws forward runs a parent's partial last key tile after the row's own tiles with
+    its MMAs narrowed to 64 or 128 keys (True) or in key order at full width. Narrowed on every
+    layout: H100 forward alone, interleaved on the same inputs, narrowed / full at 176 keys: 0.955
+    on (28, 4096, 2048), 0.986-0.995 on (28, 16384, R), level within the runs' noise (+-1.5 %) on
+    P >= 32768 (docs/PERF.md, twentieth session). MEGATRON_DUALKV_WS_FWD_TAIL=full forces key
+    order (an A/B switch); `work` is where a per-layout choice would look."""
     forced = os.environ.get("MEGATRON_DUALKV_WS_FWD_TAIL", "auto")
     if forced not in ("auto", "narrow", "full"):
         raise ValueError(f"MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full', got {forced!r}")
-    if forced != "auto":
-        return forced == "narrow"
-    return work.fwd_mean_keys < NARROW_TAIL_KEYS
+    return forced != "full"
 
 
 def ws_split(q: Tensor, k: Tensor) -> Optional[tuple[int, int, int]]:

@@ -405,9 +405,8 @@ def test_ws_forward_names_a_bad_key_tile():
 @gpu
 @pytest.mark.parametrize("tile", [128, 176])
 def test_ws_forward_tail_first_matches_key_order(tile, monkeypatch):
-    """The parent's last key tile last, after the loop, with narrowed MMAs (the default below
-    NARROW_TAIL_KEYS) against the same tile in key order at full width: both as close to float64
-    as the other. Prompts of 1, 77, 130 and 1999
+    """The parent's last key tile last, after the loop, with narrowed MMAs (the default) against the
+    same tile in key order at full width: both as close to float64 as the other. Prompts of 1, 77, 130 and 1999
     rows leave 1, 77, 2 and 79 keys in the last 128-key tile (narrowed to 64 or left full) and 1, 77,
     130 and 63 in the last 176-key tile (64, 128, full, 64)."""
     seg = make_segments([(1, [3, 40]), (77, [30, 200]), (130, [129]), (1999, [5, 300])], pad=5)
@@ -661,7 +660,7 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     rounded up to 64-key tiles per part (the row items' cost); ws_fwd_tile takes 176 keys
     at head dim 128 from WIDE_TILE_KEYS on, the switch forces 128 or 176 (head dim 64: 128 always)
     and names itself when set to anything else; ws_fwd_narrow_tail narrows the parent's partial last
-    tile below NARROW_TAIL_KEYS, forced and named the same way."""
+    tile unless forced to key order, and names a bad switch the same way."""
     seg = make_segments(groups, device="cpu")
     chunks = random_chunks(seg.num_tokens, random.Random(3))[1] if local else None
     work = cuda_backend.Work(seg, torch.device("cpu"), chunks)
@@ -680,12 +679,11 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "wide")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TILE"):
         cuda_backend.ws_fwd_tile(work, 128)
-    # the parent's partial last tile narrowed below NARROW_TAIL_KEYS, unless forced
+    # the parent's partial last tile narrowed, unless forced to key order
     monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL", raising=False)
-    longest = type("W", (), {"fwd_mean_keys": cuda_backend.NARROW_TAIL_KEYS})()
-    assert cuda_backend.ws_fwd_narrow_tail(work) and not cuda_backend.ws_fwd_narrow_tail(longest)
+    assert cuda_backend.ws_fwd_narrow_tail(work) and cuda_backend.ws_fwd_narrow_tail(long_rows)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "narrow")
-    assert cuda_backend.ws_fwd_narrow_tail(longest)
+    assert cuda_backend.ws_fwd_narrow_tail(long_rows)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "full")
     assert not cuda_backend.ws_fwd_narrow_tail(work)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
