@@ -415,6 +415,12 @@ def row_for(shape, backend, res):
     ]
 
 
+def result_line(seconds, shape, backend, res):
+    """The progress line of one measurement (tools/paired_runs.py reads its shape)."""
+    fb = "" if res.get("fb") is None else f", fwd+bwd {res['fb']:.2f} ms"
+    return f"  [{seconds:6.1f}s] {shape} {backend}: " + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms{fb}")
+
+
 def markdown(rows):
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -506,9 +512,7 @@ def main(argv=None):
                 else:
                     res = guarded(lambda: run_packed(backend, shape, warmup, reps, state, args.fwd_only))
                 _release()
-            fb = "" if res.get("fb") is None else f", fwd+bwd {res['fb']:.2f} ms"
-            print(f"  [{time.perf_counter() - t0:6.1f}s] {shape} {backend}: "
-                  + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms{fb}"), flush=True)
+            print(result_line(time.perf_counter() - t0, shape, backend, res), flush=True)
             rows.append(row_for(shape, backend, res))
             if args.out:  # rewritten after every measurement: a run cut short keeps what it measured
                 with open(args.out, "w") as fh:

@@ -13,6 +13,7 @@
 #   INTERLEAVE=1 ...                                  # the two backends take turns run by run
 #       (bench_kernel.py --interleave): the same clocks and inputs for both on a card at its power cap
 #   SHOW_RUNS=1 ...                                   # every timed run's ms in the fbN / foN logs
+#       (with INTERLEAVE=1 also the per-round ratios of tools/paired_runs.py at the end)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,4 +45,7 @@ done
 smi_stop
 [ -n "$MATMUL" ] && cat "$OUT/mm1.md" "$OUT/mm2.md" && python3 tools/bench_matmul.py --yardstick "$OUT"
 python3 tools/compare_backends.py "$OUT" $([ "$MODE" = fwd ] && echo --fwd)
+# per-round ratios (same clocks within a round) where every run was printed
+[ -n "$INTERLEAVE" ] && [ -n "$SHOW_RUNS" ] && for k in fb fo; do
+  ls "$OUT"/$k[0-9]*.log > /dev/null 2>&1 && python3 tools/paired_runs.py "$OUT"/$k[0-9]*.log; done
 python3 tools/smi_summary.py "$OUT/smi.csv"
