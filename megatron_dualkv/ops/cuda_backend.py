@@ -490,10 +490,9 @@ def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[
 # Mean keys per query tile from which the ws forward takes 176-key tiles (head dim 128): a wider
 # tile spreads each tile's fixed work (barrier waits, turns, fences) over more keys, but holds 2
 # K/V stages instead of 3 and fills and drains each CTA more slowly. With the prompt's partial last
-# tile narrowed (the kernel's default), H100 forward alone, 176 / 128 keys: 0.980-0.984 on (28, P,
-# 2048) for P = 8192, 12288, 16384 (8.6k-15.4k keys per query tile), 0.981 on (28, 8192, 1024)
-# (7.7k), 0.993 on (28, 16384, 1024), level on (28, 4096, 2048) (5.0k) (docs/PERF.md, twentieth
-# session); 1-3 % faster on P >= 32768 before (fifteenth session).
+# tile narrowed (the kernel's default), H100 forward alone, 176 / 128 keys: 0.961-0.993 from
+# (28, 8192, R) (7.7k keys per query tile) to (28, 32768, 2048) (27.5k), 1.003-1.030 on
+# (28, 4096, R) (4.4k-5.0k) (docs/PERF.md, twentieth session §2, three cards).
 WIDE_TILE_KEYS = 6144
 
 
@@ -511,13 +510,13 @@ def ws_fwd_tile(work: "Work", head_dim: int) -> int:
     return 176 if work.fwd_mean_keys >= WIDE_TILE_KEYS else 128
 
 
-def ws_fwd_narrow_tail(work: "Work") -> bool:
+def ws_fwd_narrow_tail() -> bool:
     """Whether the ws forward runs a parent's partial last key tile after the row's own tiles with
     its MMAs narrowed to 64 or 128 keys (True) or in key order at full width. Narrowed on every
     layout: H100 forward alone, interleaved on the same inputs, narrowed / full at 176 keys: 0.955
     on (28, 4096, 2048), 0.986-0.995 on (28, 16384, R), level within the runs' noise (+-1.5 %) on
     P >= 32768 (docs/PERF.md, twentieth session). MEGATRON_DUALKV_WS_FWD_TAIL=full forces key
-    order (an A/B switch); `work` is where a per-layout choice would look."""
+    order (an A/B switch)."""
     forced = os.environ.get("MEGATRON_DUALKV_WS_FWD_TAIL", "auto")
     if forced not in ("auto", "narrow", "full"):
         raise ValueError(f"MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full', got {forced!r}")
@@ -713,7 +712,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     split = ws_split(q, k) if ws_bwd else None
     work = work_tensors(segments, q.device, chunks, split, ws_bwd and ws_phase())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi, bool(deterministic))
-    fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail(work)) if fi == "ws" else (128, False)
+    fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail()) if fi == "ws" else (128, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
                                  slots, fwd_tiling)
 

@@ -681,14 +681,14 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
         cuda_backend.ws_fwd_tile(work, 128)
     # the parent's partial last tile narrowed, unless forced to key order
     monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL", raising=False)
-    assert cuda_backend.ws_fwd_narrow_tail(work) and cuda_backend.ws_fwd_narrow_tail(long_rows)
+    assert cuda_backend.ws_fwd_narrow_tail()
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "narrow")
-    assert cuda_backend.ws_fwd_narrow_tail(long_rows)
+    assert cuda_backend.ws_fwd_narrow_tail()
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "full")
-    assert not cuda_backend.ws_fwd_narrow_tail(work)
+    assert not cuda_backend.ws_fwd_narrow_tail()
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full'"):
-        cuda_backend.ws_fwd_narrow_tail(work)
+        cuda_backend.ws_fwd_narrow_tail()
 
 
 @pytest.mark.parametrize("groups, local", [
