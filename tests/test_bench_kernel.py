@@ -99,3 +99,18 @@ def test_settings_hold_around_every_run_only(monkeypatch):
     monkeypatch.setattr(bench_kernel, "_one_run", lambda fwd, inputs, dout, fwd_only: fwd())
     p.run(True)
     assert seen == ["176"] and os.environ["MEGATRON_DUALKV_WS_FWD_TILE"] == "128"
+
+
+def test_a_failure_while_the_rounds_run_is_each_backends_row(fake_gpu, monkeypatch):
+    run = _FakePacked.run
+
+    def run_until_oom(self, fwd_only):
+        if len(self.log) >= 5:  # the peak runs and the first round pass, then memory runs out
+            raise torch.OutOfMemoryError("fake")
+        return run(self, fwd_only)
+
+    monkeypatch.setattr(_FakePacked, "run", run_until_oom)
+    res = bench_kernel.run_interleaved(["flex-triton", "cuda", "flex-flash"], (2, 64, 32), 1, 3, {}, True)
+    assert list(res) == ["flex-triton", "cuda", "flex-flash"]  # the order asked for
+    assert res["flex-triton"]["status"] == "n/a"
+    assert res["cuda"] == res["flex-flash"] == {"status": "OOM", "why": "out of GPU memory"}

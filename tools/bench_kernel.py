@@ -286,32 +286,44 @@ def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
     ready, results = {}, {}
     data = packed_inputs(shape)
     input_bytes = sum(x.numel() * x.element_size() for x in data[1:])
-    for name in names:
+
+    def prepared(name):
         base = torch.cuda.memory_allocated()
-        res = guarded(lambda: prepare_packed(name, shape, state, fwd_only, data))
-        if isinstance(res, dict):
-            results[name] = res
-            continue
+        p = prepare_packed(name, shape, state, fwd_only, data)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        res.run(fwd_only)
+        p.run(fwd_only)
         torch.cuda.synchronize()
-        res.peak = (torch.cuda.max_memory_allocated() - base + input_bytes) / GIB
-        ready[name] = res
-    order = list(ready)
-    marks = {name: [] for name in order}
+        p.peak = (torch.cuda.max_memory_allocated() - base + input_bytes) / GIB
+        return p
+
+    for name in names:
+        res = guarded(lambda: prepared(name))
+        if isinstance(res, dict):
+            results[name] = res
+        else:
+            ready[name] = res
+    marks = guarded(lambda: _rounds(ready, warmup, reps, fwd_only))
+    for name, p in ready.items():
+        if "status" in marks:  # a failure while the rounds ran is every timed backend's result
+            results[name] = marks
+            continue
+        f, b, fb = _medians(marks[name], fwd_only, f" {name}")
+        results[name] = dict(fwd=f, bwd=b, fb=fb, peak=p.peak, notes=p.notes + ["interleaved"])
+    return {name: results[name] for name in names}
+
+
+def _rounds(ready, warmup, reps, fwd_only):
+    """{name: events of its timed runs}: `warmup` untimed rounds, then `reps` timed ones."""
+    marks = {name: [] for name in ready}
     rng = random.Random(0)
     for i in range(warmup + reps):
-        for name in rng.sample(order, len(order)):
+        for name in rng.sample(list(ready), len(ready)):
             e = ready[name].run(fwd_only)
             if i >= warmup:
                 marks[name].append(e)
     torch.cuda.synchronize()
-    for name in order:
-        f, b, fb = _medians(marks[name], fwd_only, f" {name}")
-        results[name] = dict(fwd=f, bwd=b, fb=fb, peak=ready[name].peak,
-                             notes=ready[name].notes + ["interleaved"])
-    return results
+    return marks
 
 
 def _release():
