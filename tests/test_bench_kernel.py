@@ -15,14 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import bench_kernel  # noqa: E402
-
-
-class _Event:
-    def __init__(self, t):
-        self.t = t
-
-    def elapsed_time(self, other):
-        return other.t - self.t
+from fake_events import StampedEvent  # noqa: E402
 
 
 class _FakePacked:
@@ -34,7 +27,7 @@ class _FakePacked:
     def run(self, fwd_only):
         self.log.append(self.name)
         k = len(self.log)
-        return [_Event(0.0), _Event(self.ms + k), _Event(3 * self.ms + k)]
+        return [StampedEvent(0.0), StampedEvent(self.ms + k), StampedEvent(3 * self.ms + k)]
 
 
 @pytest.fixture

@@ -15,15 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import bench_kernel  # noqa: E402
+from fake_events import StampedEvent  # noqa: E402
 from paired_runs import main, pooled, read_log  # noqa: E402
-
-
-class _Event:
-    def __init__(self, t):
-        self.t = t
-
-    def elapsed_time(self, other):
-        return other.t - self.t
 
 
 def _log(shape, runs, fwd_only, monkeypatch):
@@ -33,7 +26,7 @@ def _log(shape, runs, fwd_only, monkeypatch):
     with contextlib.redirect_stdout(out):
         results = {}
         for name, (fwd, bwd) in runs.items():
-            marks = [[_Event(0.0), _Event(f), _Event(f + b)] for f, b in zip(fwd, bwd)]
+            marks = [[StampedEvent(0.0), StampedEvent(f), StampedEvent(f + b)] for f, b in zip(fwd, bwd)]
             f, b, fb = bench_kernel._medians(marks, fwd_only, f" {name}")
             results[name] = dict(fwd=f, bwd=b, fb=fb)
         for name, res in results.items():

@@ -35,7 +35,7 @@ def table(runs: dict, names: list, col: int, backend: str = "cuda") -> str:
     base = names[0]
     head = " | ".join(f"{n} ms per pass" for n in names)
     ratios = " | ".join(f"{n} / {base} (medians)" for n in names[1:])
-    lines = [f"| (N, P, R) | {head} | {ratios} |", "|---" * (1 + 2 * len(names) - 1) + "|"]
+    lines = [f"| (N, P, R) | {head} | {ratios} |", "|---" * (2 * len(names)) + "|"]  # shape, names, ratios
     shapes = sorted({k[:3] for passes in runs.values() for p in passes.values() for k in p if k[3] == backend})
     for shape in shapes:
         ms = {n: [runs[n][p][shape + (backend,)][col] for p in sorted(runs.get(n, {}))
@@ -65,13 +65,9 @@ def main(argv=None) -> int:
     if col is None:  # forward-only runs leave fwd+bwd empty
         any_fb = any(r[FB] is not None for n in names for p in runs[n].values() for r in p.values())
         col = "fb" if any_fb else "fwd"
-    print(f"{col} ms, backend cuda, {out_passes(runs, names)}")
+    print(f"{col} ms, backend cuda, " + ", ".join(f"{n}: {len(runs[n])} passes" for n in names))
     print(table(runs, names, COLS[col]))
     return 0
-
-
-def out_passes(runs: dict, names: list) -> str:
-    return ", ".join(f"{n}: {len(runs[n])} passes" for n in names)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import math
@@ -45,6 +44,7 @@ import sys
 import time
 import traceback
 import types
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -150,18 +150,8 @@ class Packed:
         self.fwd, self.inputs, self.dout, self.notes, self._env = fwd, inputs, dout, notes, env or {}
         self.peak = None
 
-    @contextlib.contextmanager
     def env(self):
-        saved = {k: os.environ.get(k) for k in self._env}
-        os.environ.update(self._env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        return mock.patch.dict(os.environ, self._env)
 
     def run(self, fwd_only):
         with self.env():
@@ -505,17 +495,17 @@ def main(argv=None):
     state: dict = {}
     rows = []
     started = time.perf_counter()
+    over_budget = lambda: args.budget_s and time.perf_counter() - started > args.budget_s  # noqa: E731
     for shape in shapes:
-        over = args.budget_s and time.perf_counter() - started > args.budget_s
         together, t0 = {}, time.perf_counter()
-        if args.interleave and not over:
+        if args.interleave and not over_budget():
             together = run_interleaved([b for b in backends if not b.startswith("sdpa")], shape, warmup, reps,
                                        state, args.fwd_only)
             _release()
         for backend in backends:
             if backend in together:
                 res = together[backend]
-            elif over or (args.budget_s and time.perf_counter() - started > args.budget_s):
+            elif over_budget():
                 res = {"status": "skipped", "why": "time budget"}
             else:
                 t0 = time.perf_counter()

@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
 smi_start "$OUT/smi.csv" 100
 S=${SHAPES:+--shapes $SHAPES}
 MODE=${1:-all}
-rm -f "$OUT"/fb[0-9]*.md "$OUT"/fo[0-9]*.md "$OUT"/mm[0-9]*.md  # the summaries read every table left in $OUT
+rm -f "$OUT"/f[bo][0-9]*.md "$OUT"/f[bo][0-9]*.log "$OUT"/mm[0-9]*.md  # the summaries read every table and log left in $OUT
 [ -n "$MATMUL" ] && python3 tools/bench_matmul.py --out "$OUT/mm1.md" > "$OUT/mm1.log" 2>&1
 if [ "$MODE" = fwd ]; then
   runs=(); for p in $(seq ${PASSES:-4}); do
