@@ -107,9 +107,46 @@ __device__ __forceinline__ void store_frag_row(T* g, long stride, long row, int 
     *reinterpret_cast<uint32_t*>(g + (row * stride + j * 8 + (lane & 3) * 2)) = frag_pack<T>(acc, j, r, scale);
 }
 
-// The forward's outputs of this thread's rows row_a, row_a + 8 (those below q_end): O / l (l: the
-// quad-summed row sum) as T into og[row * stride + column], the natural-log LSE into lse[row]
+// The same in 16-byte stores: a quad's 4-byte pieces of four 8-column blocks are transposed with
+// two shuffle rounds, so that lane q holds block 4 g + q whole (a warp's store then covers 8 rows
+// x 64 contiguous bytes instead of 8 rows x 16). Every lane of the warp calls it (shuffles);
+// `store`: whether this lane's row is written.
 template <typename T, int D, typename Acc>
+__device__ __forceinline__ void store_frag_row_x4(T* g, long stride, long row, int lane, const Acc& acc, int r,
+                                                  float scale, bool store) {
+  static_assert(D % 32 == 0, "16-byte row stores take 32 columns per quad");
+  const bool b0 = lane & 1, b1 = lane & 2;
+#pragma unroll
+  for (int grp = 0; grp < D / 32; ++grp) {
+    // v[i]: this lane's piece of block 4 grp + i; after the rounds, lane q's v[k]: lane k's piece of block 4 grp + q
+    uint32_t v0 = frag_pack<T>(acc, 4 * grp, r, scale), v1 = frag_pack<T>(acc, 4 * grp + 1, r, scale);
+    uint32_t v2 = frag_pack<T>(acc, 4 * grp + 2, r, scale), v3 = frag_pack<T>(acc, 4 * grp + 3, r, scale);
+    const uint32_t t0 = __shfl_xor_sync(0xffffffffu, b0 ? v0 : v1, 1);
+    const uint32_t t1 = __shfl_xor_sync(0xffffffffu, b0 ? v2 : v3, 1);
+    if (b0) {
+      v0 = t0;
+      v2 = t1;
+    } else {
+      v1 = t0;
+      v3 = t1;
+    }
+    const uint32_t s0 = __shfl_xor_sync(0xffffffffu, b1 ? v0 : v2, 2);
+    const uint32_t s1 = __shfl_xor_sync(0xffffffffu, b1 ? v1 : v3, 2);
+    if (b1) {
+      v0 = s0;
+      v1 = s1;
+    } else {
+      v2 = s0;
+      v3 = s1;
+    }
+    if (store) *reinterpret_cast<uint4*>(g + (row * stride + (4 * grp + (lane & 3)) * 8)) = make_uint4(v0, v1, v2, v3);
+  }
+}
+
+// The forward's outputs of this thread's rows row_a, row_a + 8 (those below q_end): O / l (l: the
+// quad-summed row sum) as T into og[row * stride + column], the natural-log LSE into lse[row].
+// kWide: 16-byte stores (store_frag_row_x4; og 16-byte aligned, stride a multiple of 8).
+template <typename T, int D, bool kWide = false, typename Acc>
 __device__ __forceinline__ void store_out_lse(T* og, long stride, float* lse, int row_a, int q_end, int lane,
                                               const Acc& o, const float (&m)[2], const float (&l)[2]) {
 #pragma unroll
@@ -117,8 +154,9 @@ __device__ __forceinline__ void store_out_lse(T* og, long stride, float* lse, in
     const float lsum = quad_sum(l[r]);
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     const int row = row_a + r * 8;
+    if constexpr (kWide) store_frag_row_x4<T, D>(og, stride, row, lane, o, r, inv, row < q_end);
     if (row < q_end) {
-      store_frag_row<T, D>(og, stride, row, lane, o, r, inv);
+      if constexpr (!kWide) store_frag_row<T, D>(og, stride, row, lane, o, r, inv);
       if ((lane & 3) == 0) lse[row] = row_lse(m[r], lsum);
     }
   }

@@ -346,7 +346,10 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 
   // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
   const long qs = (long)a.hq * D, shift = (long)qloc - q0;
-  store_out_lse<T, D>(reinterpret_cast<T*>(a.out) + h * D + shift * qs, qs, a.lse + (long)h * a.Tq + shift, row_a,
+  // 16-byte stores: 1.5 % faster forward on (28, 4096, R), whose short CTAs wait on the epilogue's
+  // 4-byte stores (lg throttle, drain at exit); 0.1-0.7 % on the long shapes (docs/PERF.md,
+  // twenty-first session)
+  store_out_lse<T, D, true>(reinterpret_cast<T*>(a.out) + h * D + shift * qs, qs, a.lse + (long)h * a.Tq + shift, row_a,
                       q1, lane, o, m, l);
 }
 
