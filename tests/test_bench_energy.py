@@ -132,6 +132,15 @@ def test_blocks_take_turns_and_give_energy_and_time_per_call(card):
     assert rows[2][4] == "n/a" and rows[2][-1] == "not here"
 
 
+def test_a_failure_while_the_blocks_run_is_each_backends_row(card):
+    card.nvmlDeviceGetTotalEnergyConsumption = lambda handle, out: setattr(out._obj, "value", 5) or 0
+    nvml = bench_energy.Nvml("00000000:19:00.0", lib=card)
+    res = bench_energy.compare_shape(["cuda", "flex-flash", "flex-triton"], (2, 64, 32), 2, 0.1, nvml, True)
+    assert res["flex-triton"] == {"status": "n/a", "why": "not here"}
+    for name in ("cuda", "flex-flash"):
+        assert res[name]["status"] == "error" and "did not advance" in res[name]["why"]
+
+
 def test_a_counter_that_does_not_move_is_named(card):
     card.nvmlDeviceGetTotalEnergyConsumption = lambda handle, out: setattr(out._obj, "value", 5) or 0
     nvml = bench_energy.Nvml("00000000:19:00.0", lib=card)

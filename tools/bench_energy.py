@@ -138,15 +138,20 @@ def compare_shape(names, shape, rounds, block_s, nvml, fwd_only, seed=0):
         else:
             ready[name] = res
     runs = {name: (lambda p=p: p.run(fwd_only)) for name, p in ready.items()}
-    calls = {name: calls_per_block(run, block_s) for name, run in runs.items()}
-    samples = {name: [] for name in ready}
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        for name in rng.sample(list(ready), len(ready)):
-            samples[name].append(measure_block(runs[name], calls[name], nvml))
-    for name, rows in samples.items():
-        cols = list(zip(*rows))
-        out[name] = dict(zip(("ms", "mj", "w", "mhz"), (statistics.median(c) for c in cols)), calls=calls[name])
+
+    def blocks():
+        calls = {name: calls_per_block(run, block_s) for name, run in runs.items()}
+        samples = {name: [] for name in ready}
+        rng = random.Random(seed)
+        for _ in range(rounds):
+            for name in rng.sample(list(ready), len(ready)):
+                samples[name].append(measure_block(runs[name], calls[name], nvml))
+        return {name: dict(zip(("ms", "mj", "w", "mhz"), (statistics.median(c) for c in zip(*rows))),
+                           calls=calls[name]) for name, rows in samples.items()}
+
+    measured = bk.guarded(blocks)  # a failure while the blocks run is every measured backend's row
+    for name in ready:
+        out[name] = measured if "status" in measured else measured[name]
     return {name: out[name] for name in names}
 
 
