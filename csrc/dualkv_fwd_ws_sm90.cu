@@ -17,6 +17,7 @@
 //   warpgroups 1, 2, consumers: 64 query rows each. They never meet at a CTA barrier: each
 //     waits on the stage's "full" mbarriers and arrives (lane 0 of each warp) on the stage's
 //     "empty" mbarriers once its MMAs reading K (S = Q K^T) or V (O += P V) have completed.
+//     Each stores its O rows straight from registers in 16-byte pieces (store_out_lse's kWide).
 // Scheduling (the two ideas of the FlashAttention-3 paper, implemented here from its description):
 //   - intra-warpgroup overlap: per key tile t a consumer issues S_t = Q K_t^T and
 //     O += P_{t-1} V_{t-1} back to back, waits for S_t only, and computes the softmax of S_t
