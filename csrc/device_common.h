@@ -107,6 +107,17 @@ __device__ __forceinline__ void store_frag_row(T* g, long stride, long row, int 
     *reinterpret_cast<uint32_t*>(g + (row * stride + j * 8 + (lane & 3) * 2)) = frag_pack<T>(acc, j, r, scale);
 }
 
+// One shuffle round of a quad's 4 x 4 transpose: the pair (lo, hi) of pieces differs in the index
+// bit that `mask` flips in the lane; the lane whose bit is set (`upper`) gives lo and takes its
+// partner's hi into it, the other gives hi and takes the partner's lo into it.
+__device__ __forceinline__ void quad_exchange(uint32_t& lo, uint32_t& hi, bool upper, int mask) {
+  const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? lo : hi, mask);
+  if (upper)
+    lo = got;
+  else
+    hi = got;
+}
+
 // The same in 16-byte stores: a quad's 4-byte pieces of four 8-column blocks are transposed with
 // two shuffle rounds, so that lane q holds block 4 g + q whole (a warp's store then covers 8 rows
 // x 64 contiguous bytes instead of 8 rows x 16). Every lane of the warp calls it (shuffles);
@@ -121,24 +132,10 @@ __device__ __forceinline__ void store_frag_row_x4(T* g, long stride, long row, i
     // v[i]: this lane's piece of block 4 grp + i; after the rounds, lane q's v[k]: lane k's piece of block 4 grp + q
     uint32_t v0 = frag_pack<T>(acc, 4 * grp, r, scale), v1 = frag_pack<T>(acc, 4 * grp + 1, r, scale);
     uint32_t v2 = frag_pack<T>(acc, 4 * grp + 2, r, scale), v3 = frag_pack<T>(acc, 4 * grp + 3, r, scale);
-    const uint32_t t0 = __shfl_xor_sync(0xffffffffu, b0 ? v0 : v1, 1);
-    const uint32_t t1 = __shfl_xor_sync(0xffffffffu, b0 ? v2 : v3, 1);
-    if (b0) {
-      v0 = t0;
-      v2 = t1;
-    } else {
-      v1 = t0;
-      v3 = t1;
-    }
-    const uint32_t s0 = __shfl_xor_sync(0xffffffffu, b1 ? v0 : v2, 2);
-    const uint32_t s1 = __shfl_xor_sync(0xffffffffu, b1 ? v1 : v3, 2);
-    if (b1) {
-      v0 = s0;
-      v1 = s1;
-    } else {
-      v2 = s0;
-      v3 = s1;
-    }
+    quad_exchange(v0, v1, b0, 1);
+    quad_exchange(v2, v3, b0, 1);
+    quad_exchange(v0, v2, b1, 2);
+    quad_exchange(v1, v3, b1, 2);
     if (store) *reinterpret_cast<uint4*>(g + (row * stride + (4 * grp + (lane & 3)) * 8)) = make_uint4(v0, v1, v2, v3);
   }
 }
