@@ -207,20 +207,15 @@ def main(argv=None):
     for shape in shapes:
         results = compare_shape(names, shape, args.rounds, args.block_s, nvml, args.fwd_only)
         bk._release()
-        rows += rows_for(shape, results)
-        for row in rows_for(shape, results):
+        shape_rows = rows_for(shape, results)
+        rows += shape_rows
+        for row in shape_rows:
             print("  " + " ".join(str(c) for c in row), flush=True)
         if args.out:
-            with open(args.out, "w") as fh:
-                fh.write("\n".join(f"- {h}" for h in header) + "\n\n" + table(rows) + "\n")
+            bk.write_markdown(args.out, header, rows, COLUMNS)
     print()
-    print(table(rows))
+    print(bk.markdown(rows, COLUMNS))
     return rows
-
-
-def table(rows):
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def pci_bus_id(props):

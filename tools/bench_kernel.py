@@ -423,10 +423,18 @@ def result_line(seconds, shape, backend, res):
     return f"  [{seconds:6.1f}s] {shape} {backend}: " + (res.get("status", "") or f"fwd {res['fwd']:.2f} ms{fb}")
 
 
-def markdown(rows):
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def markdown(rows, columns=None):
+    columns = columns or COLUMNS
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_markdown(path, header, rows, columns=None):
+    """The header lines as a list, then the table (rewritten after every measurement: a run cut
+    short keeps what it measured)."""
+    with open(path, "w") as fh:
+        fh.write("\n".join(f"- {h}" for h in header) + "\n\n" + markdown(rows, columns) + "\n")
 
 
 def parse_shapes(text):
@@ -516,9 +524,8 @@ def main(argv=None):
                 _release()
             print(result_line(time.perf_counter() - t0, shape, backend, res), flush=True)
             rows.append(row_for(shape, backend, res))
-            if args.out:  # rewritten after every measurement: a run cut short keeps what it measured
-                with open(args.out, "w") as fh:
-                    fh.write("\n".join(f"- {h}" for h in header) + "\n\n" + markdown(rows) + "\n")
+            if args.out:
+                write_markdown(args.out, header, rows)
     print()
     print(markdown(rows))
     return rows
