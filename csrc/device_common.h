@@ -140,6 +140,25 @@ __device__ __forceinline__ void store_frag_row_x4(T* g, long stride, long row, i
   }
 }
 
+// Row half r of an fp32 fragment times `scale`, added into g[row * stride + column] in 16-byte
+// atomics (sm_90): lanes 2m and 2m + 1 of a quad trade one float2 per pair of 8-column blocks, so
+// the even lane holds 4 columns of the even block whole and the odd lane 4 of the odd block (half
+// the atomics of float2 adds). Every lane calls it (shuffles); `add`: whether this lane's row is added.
+template <int D, typename Acc>
+__device__ __forceinline__ void red_frag_row_x4(float* g, long stride, long row, int lane, const Acc& acc, int r,
+                                                float scale, bool add) {
+  const bool odd = lane & 1;
+#pragma unroll
+  for (int j = 0; j < D / 8; j += 2) {
+    const float2 ev = make_float2(frag(acc, j, 2 * r) * scale, frag(acc, j, 2 * r + 1) * scale);
+    const float2 od = make_float2(frag(acc, j + 1, 2 * r) * scale, frag(acc, j + 1, 2 * r + 1) * scale);
+    const float2 give = odd ? ev : od;
+    const float2 got = make_float2(__shfl_xor_sync(0xffffffffu, give.x, 1), __shfl_xor_sync(0xffffffffu, give.y, 1));
+    const float4 v = odd ? make_float4(got.x, got.y, od.x, od.y) : make_float4(ev.x, ev.y, got.x, got.y);
+    if (add) atomicAdd(reinterpret_cast<float4*>(g + (row * stride + (j + odd) * 8 + (lane & 2) * 2)), v);
+  }
+}
+
 // The forward's outputs of this thread's rows row_a, row_a + 8 (those below q_end): O / l (l: the
 // quad-summed row sum) as T into og[row * stride + column], the natural-log LSE into lse[row].
 // kWide: 16-byte stores (store_frag_row_x4; og 16-byte aligned, stride a multiple of 8).
