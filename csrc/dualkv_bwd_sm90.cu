@@ -283,6 +283,12 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
 }
 
 template <typename T, int D>
+static cudaError_t dq_t(const DqArgs& qa, cudaStream_t stream) {
+  const int smem_q = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
+  return launch_kernel(dq_kernel<T, D>, (unsigned)qa.num_items * qa.hq, kThreads, smem_q, stream, qa);
+}
+
+template <typename T, int D>
 static cudaError_t bwd_t(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, cudaStream_t stream) {
   cudaError_t e = launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
@@ -292,8 +298,7 @@ static cudaError_t bwd_t(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& k
   e = launch_kernel(atomic_dq ? dkdv_kernel<T, D, true> : dkdv_kernel<T, D, false>, (unsigned)ka.num_items * ka.hkv,
                     kThreads, smem_kv, stream, ka);
   if (e != cudaSuccess || atomic_dq) return e;
-  const int smem_q = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
-  return launch_kernel(dq_kernel<T, D>, (unsigned)qa.num_items * qa.hq, kThreads, smem_q, stream, qa);
+  return dq_t<T, D>(qa, stream);
 }
 
 }  // namespace sm90
@@ -304,6 +309,14 @@ cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs
   if (dtype == kBF16 && d == 64) return sm90::bwd_t<__nv_bfloat16, 64>(da, qa, ka, dtype, stream);
   if (dtype == kFP16 && d == 128) return sm90::bwd_t<__half, 128>(da, qa, ka, dtype, stream);
   if (dtype == kFP16 && d == 64) return sm90::bwd_t<__half, 64>(da, qa, ka, dtype, stream);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_dq_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream) {
+  if (dtype == kBF16 && d == 128) return sm90::dq_t<__nv_bfloat16, 128>(qa, stream);
+  if (dtype == kBF16 && d == 64) return sm90::dq_t<__nv_bfloat16, 64>(qa, stream);
+  if (dtype == kFP16 && d == 128) return sm90::dq_t<__half, 128>(qa, stream);
+  if (dtype == kFP16 && d == 64) return sm90::dq_t<__half, 64>(qa, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -166,7 +166,7 @@ __device__ __forceinline__ void store_ds_qk(T* panel, int row0, int lane, const 
   }
 }
 
-template <typename T, int D, bool kTmaDQ, bool kTurns, int QT>
+template <typename T, int D, bool kTmaDQ, bool kTurns, int QT, bool kDQ>
 __global__ void __launch_bounds__(kThreadsB, 1)
     dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                    const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // or < 0: -1 - phase slot, the walk of a root's key tile whose child ranges come first and are
   // walked from the step other CTAs of this kv head walk now (below)
   const int split = w[7] > 0 ? w[7] : 0;
-  const int phase_slot = w[7] < 0 ? -1 - w[7] : -1;
+  // !kDQ (the deterministic mode's dK/dV): always list order, so the sums' order never varies
+  const int phase_slot = kDQ && w[7] < 0 ? -1 - w[7] : -1;
   const int n_iter = per_head * group;
 
   // query tile i of a head: packed rows q0..qend (QT at most used), held from local row ql. Only
@@ -349,7 +350,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int krow_a = k0 + cw * 64 + warp * 16 + (lane >> 2);  // key rows krow_a, krow_a + 8
   const float sl2 = a.scale_log2;
   const bool tile_short = k1 < k0 + kKVB;  // rows k1.. of sK / sV belong to another segment
-  const bool dq_issuer = kTmaDQ && warp == 0 && lane == 0;  // issues this consumer's dQ reduces
+  const bool dq_issuer = kDQ && kTmaDQ && warp == 0 && lane == 0;  // issues this consumer's dQ reduces
   if (dq_issuer) prefetch_map(&tm_dq);
   // dS^T key halves a consumer's dQ MMA reads: D = 128 all 128 keys for its 64 columns (both
   // halves); D = 64 a partial dQ over its own 64 keys (its own half)
@@ -494,7 +495,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const T* cdO = sdO + st * QT * D;
     const float* cL = sL + st * QT;
     const float* cD = sDl + st * QT;
-    T* cdS = sdS + b * kKVB * QT;
     mbar_wait(q_full(st), parity(it));
     const int4 td = sTd[it % kTdRing];  // written by the producer before its q_full arrival
     const int q0 = td.x, qend = td.y;
@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     wgmma_rows_x_rows<T, D, kKVB, QT>(dp, sV, cw * 64, cdO);
     wg_commit();
     turn_pass(false);
-    if (it >= 2) reduce_dq(it - 2);  // staged at the end of the previous step
+    if (kDQ && it >= 2) reduce_dq(it - 2);  // staged at the end of the previous step
     wg_wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -561,14 +561,17 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       wg_commit();
       turn_pass(false);
     }
-    if (it >= 2) mbar_wait(ds_empty(b, cw), ((it - 2) >> 1) & 1);
-    if constexpr (kWide)
-      store_ds_qk<T, QT>(cdS + cw * QT * 64, warp * 16, lane, da);
-    else
-      store_ds_t<T, kKVB>(cdS, cw * 64 + warp * 16, lane, da);
-    fence_proxy_async();  // before the wgmma (async proxy) of either consumer reads them
-    mbar_arrive(ds_full(b, cw));
-    if constexpr (kPrev) {
+    if constexpr (kDQ) {
+      T* cdS = sdS + b * kKVB * QT;
+      if (it >= 2) mbar_wait(ds_empty(b, cw), ((it - 2) >> 1) & 1);
+      if constexpr (kWide)
+        store_ds_qk<T, QT>(cdS + cw * QT * 64, warp * 16, lane, da);
+      else
+        store_ds_t<T, kKVB>(cdS, cw * 64 + warp * 16, lane, da);
+      fence_proxy_async();  // before the wgmma (async proxy) of either consumer reads them
+      mbar_arrive(ds_full(b, cw));
+    }
+    if constexpr (kPrev && kDQ) {
 #pragma unroll
       for (int j = 0; j < kReadHalves; ++j) mbar_wait(ds_full(b ^ 1, read_half(j)), ((it - 1) >> 1) & 1);
       if constexpr (kWide) {
@@ -582,14 +585,14 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     if constexpr (!kWide) {
       wg_commit();
       turn_pass(false);
-    } else if constexpr (kPrev) {
+    } else if constexpr (kPrev && kDQ) {
       wg_commit();
     }
     wg_wait<0>();
     reg_fence(dv);
     reg_fence(dk);
     if (lane == 0) mbar_arrive(empty(st));  // Q, dO, lse, delta of this stage are no longer read
-    if constexpr (kPrev) {
+    if constexpr (kPrev && kDQ) {
       reg_fence(dq);
       if (lane == 0) {
 #pragma unroll
@@ -622,7 +625,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
     step(std::false_type{}, 0);
     for (int it = 1; it < n_iter; ++it) step(std::true_type{}, it);
-    last_dq(n_iter - 1);
+    if constexpr (kDQ) last_dq(n_iter - 1);
   }
   if (dq_issuer) bulk_wait0();  // the last reduces have read the staging tile and written dq_acc
 
@@ -692,14 +695,19 @@ template <typename T, int D, bool kTmaDQ, int QT>
 static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
                             cudaStream_t stream) {
   using L = BwdSmem<T, D, kTmaDQ, QT>;
-  if (ka.dq_acc == nullptr) return cudaErrorInvalidValue;  // fast mode only
+  // no dq_acc: dK and dV only (the deterministic mode; its dQ is the sm90 dq kernel's), on the
+  // TMA-dQ instance's shared-memory layout
+  const bool with_dq = ka.dq_acc != nullptr;
+  if (!kTmaDQ && !with_dq) return cudaErrorInvalidValue;
   cudaError_t e = launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
   // MEGATRON_DUALKV_WS_BWD_TURNS=0: consumers without turns (an A/B switch, like the forward's
   // MEGATRON_DUALKV_WS_PINGPONG)
   const char* turns = std::getenv("MEGATRON_DUALKV_WS_BWD_TURNS");
-  auto k = (turns && std::atoi(turns) == 0) ? dkdv_ws_kernel<T, D, kTmaDQ, false, QT>
-                                            : dkdv_ws_kernel<T, D, kTmaDQ, true, QT>;
+  auto k = (turns && std::atoi(turns) == 0) ? dkdv_ws_kernel<T, D, kTmaDQ, false, QT, true>
+                                            : dkdv_ws_kernel<T, D, kTmaDQ, true, QT, true>;
+  if constexpr (kTmaDQ)
+    if (!with_dq) k = dkdv_ws_kernel<T, D, true, true, QT, false>;
   e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (ka.num_items == 0 || ka.T == 0 || ka.Tq == 0) return cudaSuccess;
@@ -707,7 +715,7 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
   const int es = (int)sizeof(T);
   if (!make_map(&mk, ka.k, dt, D, ka.hkv, ka.T, kKVB, es) || !make_map(&mv, ka.v, dt, D, ka.hkv, ka.T, kKVB, es) ||
       !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, QT, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, QT, es) ||
-      (kTmaDQ && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq, QT)))
+      (kTmaDQ && with_dq && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq, QT)))
     return cudaErrorInvalidResourceHandle;
   k<<<(unsigned)ka.num_items * ka.hkv, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
   return cudaGetLastError();
@@ -719,7 +727,7 @@ static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype
   const int mode = ws_dq_mode_from_env();
   const int qt = ws_bwd_query_tile_from_env();
   if (mode < 0 || qt < 0) return cudaErrorInvalidValue;  // the op checks the variables first, with a clear message
-  if (mode == 0) return bwd_ws_t<T, D, false, 64>(da, ka, dtype, dt, stream);
+  if (mode == 0 && ka.dq_acc != nullptr) return bwd_ws_t<T, D, false, 64>(da, ka, dtype, dt, stream);
   if constexpr (D == 128)
     if (qt == kWideQT) return bwd_ws_t<T, D, true, kWideQT>(da, ka, dtype, dt, stream);
   return bwd_ws_t<T, D, true, 64>(da, ka, dtype, dt, stream);

@@ -20,9 +20,11 @@ cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, 
 
 namespace mdkv {
 
-// Warp-specialized backward, fast mode (csrc/dualkv_bwd_ws_sm90.cu): delta = rowsum(dO * O) -
-// dlse, then the dK/dV kernel that also adds unscaled dQ into ka.dq_acc (fp32 [T, Hq, D], zeroed
-// by the caller; required: returns cudaErrorInvalidValue when null). kv items of 128-row key tiles.
+// Warp-specialized backward (csrc/dualkv_bwd_ws_sm90.cu): delta = rowsum(dO * O) - dlse, then the
+// dK/dV kernel. Fast mode: it also adds unscaled dQ into ka.dq_acc (fp32 [T, Hq, D], zeroed by the
+// caller). ka.dq_acc null: dK and dV only, each key tile's in list order (no phase-aligned walks;
+// the caller passes no split items), bitwise reproducible; the deterministic mode then runs
+// launch_dq_sm90. kv items of 128-row key tiles.
 cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream);
 // How that kernel adds dQ, from MEGATRON_DUALKV_WS_DQ (read at every launch): 1 = "tma" (unset or
 // empty too: one TMA reduce-add per 32-column half of a query tile), 0 = "atomic" (per-thread

@@ -79,6 +79,8 @@ cudaError_t launch_dq_from_acc(const float* dq_acc, void* dq, long n, float scal
 // the caller converts dq_acc), else the deterministic dQ kernel runs.
 cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                             cudaStream_t stream);
+// its deterministic dQ kernel alone (delta already computed): the ws backward's deterministic mode
+cudaError_t launch_dq_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream);
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                        cudaStream_t stream);
 

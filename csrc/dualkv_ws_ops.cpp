@@ -7,7 +7,10 @@
 //     key tile after the row's own tiles, its MMAs narrowed to 64 or 128 keys (else in key order at
 //     full width; cuda_backend.ws_fwd_narrow_tail chooses)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
-//                                deterministic, split_slots=0) -> (dq, dk, dv)      (fast mode only)
+//                                deterministic, split_slots=0) -> (dq, dk, dv)
+//     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
+//     dQ by the sm90 dq kernel over row_work (128-row query tiles, cuda_backend's rows128): bitwise
+//     reproducible, and equal to bwd_sm90's deterministic mode; all T query rows, no split items
 //
 // q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
@@ -59,8 +62,6 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots) {
-  TORCH_CHECK(!deterministic,
-              "megatron_dualkv: the ws backward has no deterministic mode (dQ by atomics); use bwd_sm90 for it");
   check_ws_qkv(q, k, v);
   TORCH_CHECK(mdkv::ws_dq_mode_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_WS_DQ must be 'atomic' or 'tma', got '",
               std::getenv("MEGATRON_DUALKV_WS_DQ"), "'");
@@ -72,8 +73,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   check_work(kv_ranges, q, "kv_ranges", 4);
   TORCH_CHECK(split_slots >= 0 && split_slots <= kv_work.size(0), "megatron_dualkv: split_slots = ", split_slots,
               " is not between 0 and the ", kv_work.size(0), " kv items");
-  (void)row_work;  // the ws backward walks key tiles only; the argument keeps bwd_sm90's signature
   const BwdInputs in = check_bwd_inputs(dout, q, out, lse, dlse, "Tq");
+  if (deterministic) {
+    TORCH_CHECK(q.size(0) == k.size(0), "megatron_dualkv: the deterministic ws backward takes all T = ", k.size(0),
+                " query rows (its dQ kernel has no local queries); q holds ", q.size(0));
+    TORCH_CHECK(split_slots == 0, "megatron_dualkv: the deterministic ws backward takes kv items without splits "
+                "(split_slots = ", split_slots, "): split parts add their dK/dV in fp32 atomics");
+    check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
+  }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(in.dout.data_ptr()) % 16 == 0,
               "megatron_dualkv: the ws backward reads dout with TMA, which needs a 16-byte aligned data pointer");
   c10::cuda::CUDAGuard guard(q.device());
@@ -81,6 +88,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   auto dk = at::empty_like(k);
   auto dv = at::empty_like(v);
   auto delta = per_head_row_floats(q);
+  if (deterministic) {
+    const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
+    mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, at::Tensor(), scale);
+    auto stream = at::cuda::getCurrentCUDAStream();
+    check_launch(mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), stream), "bwd_ws_sm90", true);
+    const mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
+    check_launch(mdkv::launch_dq_sm90(qa, dtype_code(q), q.size(2), stream), "bwd_ws_sm90 (dq)", false);
+    return {dq, dk, dv};
+  }
   // the fp32 dQ sums, and behind them (zeroed by the same fill) the int phase slots [items, hkv]
   // of the phase-aligned walks (kv item field 7 < 0; at most one slot per item)
   auto acc = at::zeros({q.numel() + kv_work.size(0) * k.size(1)}, q.options().dtype(at::kFloat));

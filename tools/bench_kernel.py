@@ -160,7 +160,8 @@ class Packed:
 
 def backend_env(name):
     """("cuda", {VAR: VALUE}) for cuda[VAR=VALUE;...] ("dq" stands for MEGATRON_DUALKV_WS_DQ, the ws
-    backward's dQ path), (name, {}) for a plain name."""
+    backward's dQ path; "deterministic=1" is not a variable but the call's deterministic=True),
+    (name, {}) for a plain name."""
     if "[" not in name:
         return name, {}
     base, _, rest = name.partition("[")
@@ -205,7 +206,8 @@ def prepare_packed(name, shape, state, fwd_only=False, data=None) -> Packed:
             ok, why = cuda_backend.is_available()
         if not ok:
             raise Skip(why)
-        fwd = lambda: cuda_backend.attention(q, k, v, seg, scale)  # noqa: E731
+        deterministic = env.pop("deterministic", "0") not in ("0", "")
+        fwd = lambda: cuda_backend.attention(q, k, v, seg, scale, deterministic=deterministic)  # noqa: E731
     elif name in ("flex-triton", "flex-flash"):
         from megatron_dualkv.ops import flex_backend
 
@@ -453,7 +455,8 @@ def main(argv=None):
     ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                     help=f"comma-separated, from {ALL_BACKENDS}; cuda[VAR=VALUE;...] runs cuda with those "
                          "environment settings around every call (e.g. cuda[MEGATRON_DUALKV_WS_FWD_TILE=176]; "
-                         "cuda[dq=MODE] for MEGATRON_DUALKV_WS_DQ), so that with --interleave two settings "
+                         "cuda[dq=MODE] for MEGATRON_DUALKV_WS_DQ; cuda[deterministic=1] for deterministic=True), "
+                         "so that with --interleave two settings "
                          "are timed side by side in one process")
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, fewer repetitions (~2 min on an H100)")
     ap.add_argument("--reps", type=int, help="timed runs per measurement (default 10, quick 5; replicated SDPA: half)")

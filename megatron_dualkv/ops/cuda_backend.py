@@ -20,8 +20,9 @@ Kernels (sm_90a, Hopper; see docs/PERF.md "CUDA kernel"):
   warpgroups in ping-pong (csrc/dualkv_fwd_ws_sm90.cu).
 - `bwd_ws_sm90` (the default fast-mode backward): warp-specialized dK/dV kernel adding dQ into
   an fp32 buffer by TMA reduce-add of shared-memory tiles (csrc/dualkv_bwd_ws_sm90.cu; 8-18 %
-  faster than per-thread atomics, which $MEGATRON_DUALKV_WS_DQ=atomic selects); deterministic=True
-  runs the sm90 backward.
+  faster than per-thread atomics, which $MEGATRON_DUALKV_WS_DQ=atomic selects). deterministic=True:
+  the same kernel computes dK/dV only, each key tile walked in list order (no split key tiles, no
+  phase-aligned walks), then the sm90 dQ kernel: bitwise equal to the sm90 deterministic backward.
 An extension built before the ws ops existed falls back to the sm90 kernels.
 
 Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
@@ -637,9 +638,12 @@ class _DualKVFunction(torch.autograd.Function):
 
 def _lists(work: Work, fwd_kind: str, bwd_kind: str, deterministic: bool) -> tuple:
     """(forward rows, backward rows, kv items, ranges, backward kernel, split slots) for the
-    kernels chosen; the ws backward has no deterministic mode, so deterministic runs the sm90 one."""
+    kernels chosen. The ws backward's deterministic mode takes `work` built without splits and
+    phase-aligned walks (forward() builds it so) and the 128-row query tiles for its dQ kernel."""
     fwd_rows = work.rows64 if fwd_kind == "mma" else work.rows128
-    if bwd_kind == "ws" and not deterministic:
+    if bwd_kind == "ws":
+        if deterministic and work.ws_split_slots:
+            raise ValueError("DualKV CUDA backend: the deterministic ws backward needs work lists without splits")
         return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws", work.ws_split_slots
     if bwd_kind == "mma":
         return fwd_rows, work.rows64, work.kv64, work.ranges, "mma", 0
@@ -683,8 +687,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     """(out [Tq, Hq, D], lse [Hq, Tq] float32). Differentiable in q, k, v through `out`.
 
     fwd_impl / bwd_impl: "ws" (warp-specialized, default where the extension has it), "sm90"
-    (wgmma, synchronous) or "mma" (mma.sync kernels); the ws backward has no deterministic mode, so
-    with deterministic=True it runs the sm90 one. $MEGATRON_DUALKV_CUDA_FWD /
+    (wgmma, synchronous) or "mma" (mma.sync kernels); deterministic=True: bitwise reproducible
+    backward (ws: dK/dV by the ws kernel, dQ by the sm90 dQ kernel). $MEGATRON_DUALKV_CUDA_FWD /
     $MEGATRON_DUALKV_CUDA_BWD set the defaults.
     q_rows: int64 [Tq], ascending packed rows of q's rows when q holds only some queries (context
     parallelism) while k, v hold all T rows; runs on the ws kernels, fast-mode backward only.
@@ -708,9 +712,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")
         chunks = cached_query_chunks(segments, q_rows)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    ws_bwd = bi == "ws" and not deterministic
-    split = ws_split(q, k) if ws_bwd else None
-    work = work_tensors(segments, q.device, chunks, split, ws_bwd and ws_phase())
+    fast_ws_bwd = bi == "ws" and not deterministic  # splits and phase-aligned walks change the sums' order
+    split = ws_split(q, k) if fast_ws_bwd else None
+    work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi, bool(deterministic))
     fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail()) if fi == "ws" else (128, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,

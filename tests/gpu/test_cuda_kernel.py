@@ -146,8 +146,7 @@ def poison_allocator(nbytes):
 def run_kernel(q, k, v, dout, seg, scale, deterministic=False, impl=None, bwd_impl=None):
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
-    # impl names the forward (and the backward unless bwd_impl is given; "ws" with
-    # deterministic=True runs the sm90 backward)
+    # impl names the forward (and the backward unless bwd_impl is given)
     bwd = bwd_impl or (impl if impl in cuda_backend.BWD_IMPLS else ("sm90" if impl else None))
     out, lse = cuda_backend.forward(qq, kk, vv, seg, scale, deterministic=deterministic, fwd_impl=impl,
                                     bwd_impl=bwd)
@@ -188,6 +187,7 @@ IMPLS = {
     "wsbwd-qtile-64": ("sm90", "ws"),     # 64-row query steps at head dim 128 too (default there: 80)
     "wsbwd-no-split": ("sm90", "ws"),     # no key tile split by query rows (MEGATRON_DUALKV_WS_SPLIT=0)
     "wsbwd-no-phase": ("sm90", "ws"),     # every walk from its first step, own rows first (MEGATRON_DUALKV_WS_PHASE=0)
+    "wsbwd-deterministic": ("sm90", "ws"),  # deterministic=True: dK/dV without dQ in list order, the sm90 dQ kernel
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
@@ -220,7 +220,8 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
     t = seg.num_tokens
     scale = 1.0 / math.sqrt(d)
     q, k, v, dout = inputs(t, hq, hkv, d, dtype, seed=1234 + case + random.randrange(1 << 20))
-    out, lse, dq, dk, dv = run_kernel(q, k, v, dout, seg, scale, impl=fwd, bwd_impl=bwd)
+    out, lse, dq, dk, dv = run_kernel(q, k, v, dout, seg, scale, deterministic=impl == "wsbwd-deterministic",
+                                      impl=fwd, bwd_impl=bwd)
     for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x).all(), f"{name}: non-finite elements (unwritten or overflow)"
     ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout, seg, scale)
@@ -267,15 +268,32 @@ def test_forward_kernels_agree(variant, d, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("impl", ["sm90", "mma", "wsfwd"])  # wsfwd: ws forward, sm90 deterministic backward
+@pytest.mark.parametrize("impl", ["sm90", "mma", "wsfwd-wsbwd"])  # the ws forward and backward
 def test_deterministic_bitwise(impl):
     seg = make_segments([(3001, [5, 900, 2048, 1]), (100, [50] * 8)], pad=5)
     q, k, v, dout = inputs(seg.num_tokens, 32, 8, 128, torch.bfloat16, seed=random.randrange(1 << 20))
-    impl = "ws" if impl == "wsfwd" else impl
+    impl = "ws" if impl == "wsfwd-wsbwd" else impl
     a = run_kernel(q, k, v, dout, seg, 0.088, deterministic=True, impl=impl)
     b = run_kernel(q, k, v, dout, seg, 0.088, deterministic=True, impl=impl)
     for x, y, name in zip(a, b, ("out", "lse", "dq", "dk", "dv")):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs"
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_deterministic_wsbwd_equals_sm90(case):
+    """The ws backward's deterministic mode (dK/dV by the ws kernel in list order, without dQ; dQ
+    by the sm90 dQ kernel) gives bitwise the sm90 deterministic backward's dq, dk, dv after the
+    same forward: every key tile's dK/dV add the same 16-row MMA slices in the same order. Case 4's
+    prompt key tiles, split by query rows in fast mode, are walked whole here."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=4321 + case + random.randrange(1 << 20))
+    ws = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
+    ref = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="sm90")
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.isfinite(ws[i]).all(), f"{name}: non-finite elements (unwritten?)"
+        assert torch.equal(ws[i], ref[i]), f"{name} differs from the sm90 deterministic backward: rel {rel(ws[i], ref[i]):.3e}"
 
 
 @gpu
