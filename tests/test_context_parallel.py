@@ -284,6 +284,25 @@ def test_cuda_backend_local_queries_need_the_ws_kernels(monkeypatch):
     assert not ok and "predates" in why
 
 
+def test_deterministic_local_queries_skip_the_cuda_kernel(monkeypatch):
+    """Local queries run on the cuda kernel's fast-mode backward only: with deterministic=True the
+    entry point skips it with that reason (and takes the next backend), while without local
+    queries the cuda kernel keeps the deterministic call."""
+    from megatron_dualkv.ops import cuda_backend
+    from megatron_dualkv.ops.attention import select_backend
+
+    monkeypatch.setattr(cuda_backend, "_load", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "_has_op", lambda name: True)
+    monkeypatch.setattr(cuda_backend, "is_available", lambda q=None: (True, ""))
+    q = torch.empty(4, 2, 64)
+    assert select_backend(q, local_queries=True) == ("cuda", "fastest available")
+    assert select_backend(q, local_queries=False, deterministic=True) == ("cuda", "fastest available")
+    name, why = select_backend(q, local_queries=True, deterministic=True)
+    assert name != "cuda" and "cuda: local queries run on the fast-mode backward only" in why
+    with pytest.raises(RuntimeError, match="not with deterministic=True"):
+        select_backend(q, "cuda", local_queries=True, deterministic=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Megatron: one training step per configuration (runs inside the gloo workers)
 # ------------------------------------------------------------------------------------------------

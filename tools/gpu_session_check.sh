@@ -60,7 +60,7 @@ if [ "$1" = kernel ]; then
   elif [ "$FWD_RC" != 0 ]; then K=(-k "not wsfwd")
   elif [ "$BWD_RC" != 0 ]; then K=(-k "not wsbwd"); fi
   echo "ws forward smoke rc=$FWD_RC, ws backward smoke rc=$BWD_RC: tests ${K[*]:-all}"
-  step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernel.py "${K[@]}"
+  step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernel.py tests/gpu/test_deterministic_model.py "${K[@]}"
   [ -n "$CP_FLEX" ] && step cp_flex_gpu 90 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k compiled_flex
   # ws forward (and ws fwd+bwd when the backward passed) next to the defaults on all published shapes
   if [ "$FWD_RC" = 0 ] && [ -z "$NO_BENCH_WS" ]; then

@@ -24,15 +24,18 @@ from .partition import CPShard
 
 
 def cp_dualkv_attention(q: Tensor, k: Tensor, v: Tensor, shard: CPShard, group,
-                        softmax_scale: Optional[float] = None, backend: Optional[str] = None) -> Tensor:
-    """q [L, Hq, D], k and v [L, Hkv, D]: this rank's rows -> out [L, Hq, D]; differentiable."""
+                        softmax_scale: Optional[float] = None, backend: Optional[str] = None,
+                        deterministic: bool = False) -> Tensor:
+    """q [L, Hq, D], k and v [L, Hkv, D]: this rank's rows -> out [L, Hq, D]; differentiable.
+    deterministic: dualkv_attention's (with CP > 1 the cuda kernel then gives way to flex)."""
     if q.shape[0] != shard.num_local or k.shape[0] != shard.num_local or v.shape[0] != shard.num_local:
         raise ValueError(f"context-parallel rank {shard.cp_rank} holds {shard.num_local} rows; "
                          f"q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if shard.cp_size == 1:
-        return dualkv_attention(q, k, v, shard.layout, softmax_scale, backend)
+        return dualkv_attention(q, k, v, shard.layout, softmax_scale, backend, deterministic=deterministic)
     hkv = k.shape[1]
     kv = gather_rows(torch.cat([k, v], dim=1), shard, group)
     # dense K and V (the CUDA kernels refuse strided views; GQA keeps the copies small)
     k_all, v_all = kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
-    return dualkv_attention(q, k_all, v_all, shard.layout, softmax_scale, backend, q_rows=shard.rows)
+    return dualkv_attention(q, k_all, v_all, shard.layout, softmax_scale, backend, q_rows=shard.rows,
+                            deterministic=deterministic)

@@ -68,10 +68,12 @@ def ulysses_problem(num_q_heads: int, num_kv_heads: int, cp: int) -> str:
 
 
 def ulysses_dualkv_attention(q: Tensor, k: Tensor, v: Tensor, shard: CPShard, group,
-                             softmax_scale: Optional[float] = None, backend: Optional[str] = None) -> Tensor:
-    """q [L, Hq, D], k and v [L, Hkv, D]: this rank's rows -> out [L, Hq, D]; differentiable."""
+                             softmax_scale: Optional[float] = None, backend: Optional[str] = None,
+                             deterministic: bool = False) -> Tensor:
+    """q [L, Hq, D], k and v [L, Hkv, D]: this rank's rows -> out [L, Hq, D]; differentiable.
+    deterministic: dualkv_attention's (all-to-all CP keeps every query row: the cuda kernel takes it)."""
     if shard.cp_size == 1:
-        return dualkv_attention(q, k, v, shard.layout, softmax_scale, backend)
+        return dualkv_attention(q, k, v, shard.layout, softmax_scale, backend, deterministic=deterministic)
     problem = ulysses_problem(q.shape[1], k.shape[1], shard.cp_size)
     if problem:
         raise ValueError(problem)
@@ -82,5 +84,5 @@ def ulysses_dualkv_attention(q: Tensor, k: Tensor, v: Tensor, shard: CPShard, gr
     parts = torch.cat([q.reshape(n, cp, hq, d), k.reshape(n, cp, hkv, d), v.reshape(n, cp, hkv, d)], dim=2)
     qkv = _rows_to_heads(parts, shard, group)  # [cp*L, hq + 2 hkv, D]
     q_h, k_h, v_h = (x.contiguous() for x in (qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]))
-    out = dualkv_attention(q_h, k_h, v_h, shard.layout, softmax_scale, backend)
+    out = dualkv_attention(q_h, k_h, v_h, shard.layout, softmax_scale, backend, deterministic=deterministic)
     return _heads_to_rows(out, shard, group)

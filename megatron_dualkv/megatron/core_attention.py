@@ -105,7 +105,8 @@ class DualKVCoreAttention(MegatronModule):
 
     Constructor arguments are those Megatron passes to any core attention (see
     DotProductAttention); `backend` picks the DualKV attention backend (None: fastest available,
-    or the MEGATRON_DUALKV_ATTENTION_BACKEND environment variable).
+    or the MEGATRON_DUALKV_ATTENTION_BACKEND environment variable). config.deterministic_mode
+    selects the cuda kernel's bitwise reproducible backward.
     forward: q [T, np, hn], k and v [T, ng, hn] (heads local to this TP rank) -> [T, np*hn].
     """
 
@@ -183,6 +184,8 @@ class DualKVCoreAttention(MegatronModule):
         # Megatron splits the fused QKV projection into strided views; the fused kernels read dense
         # [T, H, D] rows (a no-op for tensors that already are; with GQA K/V are the small ones).
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        # Megatron's switch for reproducible kernels: the cuda kernel's deterministic backward
+        deterministic = bool(getattr(self.config, "deterministic_mode", False))
         shard = getattr(packed_seq_params, "cp_shard", None)
         cp = self.cp_group.size() if self.cp_group is not None else 1
         if shard is None and cp > 1:
@@ -195,7 +198,8 @@ class DualKVCoreAttention(MegatronModule):
             if shard.cp_size != cp:
                 raise ValueError(f"the CPShard splits the micro-batch over {shard.cp_size} ranks but the CP group has {cp}")
             attend = ulysses_dualkv_attention if self.cp_comm_type == "a2a" else cp_dualkv_attention
-            out = attend(query, key, value, shard, self.cp_group, self.softmax_scale, self.backend)
+            out = attend(query, key, value, shard, self.cp_group, self.softmax_scale, self.backend, deterministic)
         else:
-            out = dualkv_attention(query, key, value, layout, softmax_scale=self.softmax_scale, backend=self.backend)
+            out = dualkv_attention(query, key, value, layout, softmax_scale=self.softmax_scale, backend=self.backend,
+                                   deterministic=deterministic)
         return out.reshape(out.size(0), -1)

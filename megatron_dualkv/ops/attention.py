@@ -7,8 +7,12 @@ The environment variable MEGATRON_DUALKV_ATTENTION_BACKEND forces one.
 
 Local queries (context parallelism): `q_rows` gives the packed row of every query when q holds
 only some rows while k, v hold all of them. Every backend says whether it takes them with
-`supports_q_rows() -> (ok, reason)` (reference, flex: always; cuda: its ws kernels, fast-mode
-backward); a backend that does not is skipped with its reason.
+`supports_q_rows(deterministic) -> (ok, reason)` (reference, flex: always; cuda: its ws kernels,
+fast-mode backward); a backend that does not is skipped with its reason.
+
+`deterministic=True` (Megatron: `config.deterministic_mode`) asks the cuda kernel for its bitwise
+reproducible backward (dQ by a kernel of its own instead of fp32 atomics; 1.5-2x the fast
+backward's time, docs/PERF.md). flex and reference take no such mode: they run as they are.
 """
 
 from __future__ import annotations
@@ -41,30 +45,31 @@ def _backend_module(name: str):
         return None, f"module megatron_dualkv.ops.{mod} cannot be imported ({exc})"
 
 
-def backend_status(name: str, q: Tensor, local_queries: bool = False) -> tuple[bool, str]:
+def backend_status(name: str, q: Tensor, local_queries: bool = False, deterministic: bool = False) -> tuple[bool, str]:
     """(available for these inputs, reason when not). local_queries: q holds only some rows
     (q_rows given)."""
     mod, why = _backend_module(name)
     if mod is None:
         return False, why
     if local_queries:
-        ok, why = mod.supports_q_rows()
+        ok, why = mod.supports_q_rows(deterministic)
         if not ok:
             return False, why
     return mod.is_available(q)
 
 
-def select_backend(q: Tensor, requested: Optional[str] = None, local_queries: bool = False) -> tuple[str, str]:
+def select_backend(q: Tensor, requested: Optional[str] = None, local_queries: bool = False,
+                   deterministic: bool = False) -> tuple[str, str]:
     """(backend name, one-line reason for the choice)."""
     requested = requested or os.environ.get(_ENV) or None
     if requested is not None:
-        ok, why = backend_status(requested, q, local_queries)
+        ok, why = backend_status(requested, q, local_queries, deterministic)
         if not ok:
             raise RuntimeError(f"DualKV attention backend {requested!r} was requested but is unavailable: {why}")
         return requested, "requested"
     skipped = []
     for name in BACKENDS:
-        ok, why = backend_status(name, q, local_queries)
+        ok, why = backend_status(name, q, local_queries, deterministic)
         if ok:
             reason = "; ".join(f"{n}: {w}" for n, w in skipped) or "fastest available"
             return name, reason
@@ -80,12 +85,14 @@ def dualkv_attention(
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
     q_rows: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Tensor:
     """Attention of packed THD tensors over the layout's two KV regions.
 
     q [T, Hq, D], k and v [T, Hkv, D]; returns [T, Hq, D]. Differentiable.
     q_rows: int64 [Tq], the packed row of each query when q [Tq, Hq, D] holds only some rows
     (ascending, as a context-parallel rank holds them); returns [Tq, Hq, D].
+    deterministic: the cuda kernel's bitwise reproducible backward (module docstring).
     """
     segments = layout.segments if isinstance(layout, PackedLayout) else layout
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -106,13 +113,14 @@ def dualkv_attention(
         raise ValueError(f"layout is on {segments.device} but q is on {q.device}; move it with layout.to(device)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     local = q_rows is not None
-    name, reason = select_backend(q, backend, local_queries=local)
-    key = (name, q.device.type, q.dtype, local)
+    name, reason = select_backend(q, backend, local_queries=local, deterministic=deterministic)
+    key = (name, q.device.type, q.dtype, local, deterministic)
     if key not in _announced:
         _announced.add(key)
-        logger.info("DualKV attention backend: %s on %s/%s%s (%s)", name, q.device.type, q.dtype,
-                    " with local queries" if local else "", reason)
+        logger.info("DualKV attention backend: %s on %s/%s%s%s (%s)", name, q.device.type, q.dtype,
+                    " with local queries" if local else "", ", deterministic" if deterministic else "", reason)
     mod, _ = _backend_module(name)
+    extra = {"deterministic": True} if deterministic and name == "cuda" else {}
     if local:
-        return mod.attention(q, k, v, segments, scale, q_rows=q_rows)
-    return mod.attention(q, k, v, segments, scale)
+        return mod.attention(q, k, v, segments, scale, q_rows=q_rows, **extra)
+    return mod.attention(q, k, v, segments, scale, **extra)

@@ -668,8 +668,10 @@ def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, local: bool)
         )
 
 
-def supports_q_rows() -> tuple[bool, str]:
+def supports_q_rows(deterministic: bool = False) -> tuple[bool, str]:
     """Local queries (q_rows) run on the ws kernels, fast-mode backward."""
+    if deterministic:  # its dQ kernel walks every query row of the micro-batch
+        return False, "local queries run on the fast-mode backward only, not with deterministic=True"
     ok, why = _load()
     if not ok:
         return False, why

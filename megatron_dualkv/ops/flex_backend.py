@@ -114,7 +114,7 @@ def is_available(q: Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-def supports_q_rows() -> tuple[bool, str]:
+def supports_q_rows(deterministic: bool = False) -> tuple[bool, str]:
     """Local queries against all keys (context parallelism): always taken."""
     return True, ""
 

@@ -10,7 +10,7 @@ from ..layout import SegmentTable
 from .reference import reference_attention
 
 
-def supports_q_rows() -> tuple[bool, str]:
+def supports_q_rows(deterministic: bool = False) -> tuple[bool, str]:
     """Local queries against all keys (context parallelism): always taken."""
     return True, ""
 
