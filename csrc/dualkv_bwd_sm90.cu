@@ -17,6 +17,9 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <math.h>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "dualkv_kernels.h"
 #include "wgmma_ops.h"
@@ -29,7 +32,9 @@ namespace sm90 {
 constexpr int kKV = 128;  // dK/dV: key rows per CTA
 constexpr int kQT = 64;   // dK/dV: query rows per step
 constexpr int kRQ = 128;  // dQ: query rows per CTA
-constexpr int kRK = 64;   // dQ: key rows per step
+// dQ: key rows per step, 64 or 128 (the default: half the steps, each with its barrier and waits;
+// the same k16 slices in the same key order, so dQ is bitwise the same); MEGATRON_DUALKV_DQ_KTILE=64
+// picks 64 (an A/B switch)
 
 // kAtomicDQ: also dQ += dS K for the query tile, added to a.dq_acc with fp32 atomics (fast mode)
 template <typename T, int D, bool kAtomicDQ>
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(DkvArgs a) {
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int kRK>
 __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
   extern __shared__ unsigned char smem_raw[];
   const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
@@ -236,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
 
     const T* cK = sK + st * kRK * D;
     const T* cV = sV + st * kRK * D;
-    float s[32], dp[32];
+    float s[kRK / 2], dp[kRK / 2];
     wg_fence();
     wgmma_rows_x_rows<T, D, kRQ, kRK>(s, sQ, wg * 64, cK);
     wgmma_rows_x_rows<T, D, kRQ, kRK>(dp, sdO, wg * 64, cV);
@@ -247,22 +252,29 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
 
     const int k0 = tile.kv_start(t);
     const bool is_par = t < tile.n_par;
-    const bool msk = tile.needs_mask(t);
+    // one branch per tile, the masked and unmasked loops as two copies (a compare and branch per
+    // element otherwise: docs/PERF.md, the ws backward's same change)
+    auto ds = [&](auto masked) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < kRK / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        float p = exp2f(fmaf(s[4 * j + e], sl2, -lse2[r]));
-        if (msk) {
-          const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
-          const int row = row_a + r * 8;
-          if (!(is_par ? (col < tile.par1) : (col <= row))) p = 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          float p = exp2f(fmaf(s[4 * j + e], sl2, -lse2[r]));
+          if constexpr (decltype(masked)::value) {
+            const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+            const int row = row_a + r * 8;
+            if (!(is_par ? (col < tile.par1) : (col <= row))) p = 0.f;
+          }
+          s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);  // dS
         }
-        s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);  // dS
-      }
+    };
+    if (tile.needs_mask(t))
+      ds(std::true_type{});
+    else
+      ds(std::false_type{});
 
-    uint32_t da[4][4];
+    uint32_t da[kRK / 16][4];
     pack_frags<T, kRK>(da, s);
     reg_fence(dq);
     wg_fence();
@@ -282,10 +294,17 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
   }
 }
 
+template <typename T, int D, int kRK>
+static cudaError_t dq_rk(const DqArgs& qa, cudaStream_t stream) {
+  const int smem_q = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
+  return launch_kernel(dq_kernel<T, D, kRK>, (unsigned)qa.num_items * qa.hq, kThreads, smem_q, stream, qa);
+}
+
 template <typename T, int D>
 static cudaError_t dq_t(const DqArgs& qa, cudaStream_t stream) {
-  const int smem_q = (2 * kRQ * D + 4 * kRK * D) * (int)sizeof(T) + 1024;
-  return launch_kernel(dq_kernel<T, D>, (unsigned)qa.num_items * qa.hq, kThreads, smem_q, stream, qa);
+  const char* kt = std::getenv("MEGATRON_DUALKV_DQ_KTILE");
+  if (kt && std::strcmp(kt, "64") == 0) return dq_rk<T, D, 64>(qa, stream);
+  return dq_rk<T, D, 128>(qa, stream);
 }
 
 template <typename T, int D>

@@ -280,6 +280,22 @@ def test_deterministic_bitwise(impl):
 
 
 @gpu
+@pytest.mark.parametrize("case", [0, 2])
+def test_dq_kernel_key_tiles_give_the_same_bits(case, monkeypatch):
+    """The deterministic dQ kernel in 128-key steps (default) and in 64-key steps
+    (MEGATRON_DUALKV_DQ_KTILE=64) add the same k16 slices in the same key order: bitwise equal dq
+    (d = 128 bf16 and d = 64 fp16, partial parent tiles and causal diagonals)."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=99 + case + random.randrange(1 << 20))
+    wide = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="sm90")
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KTILE", "64")
+    narrow = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="sm90")
+    assert torch.isfinite(wide[2]).all(), "dq: non-finite elements"
+    assert torch.equal(wide[2], narrow[2]), f"dq differs between 128- and 64-key steps: rel {rel(wide[2], narrow[2]):.3e}"
+
+
+@gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_deterministic_wsbwd_equals_sm90(case):
     """The ws backward's deterministic mode (dK/dV by the ws kernel in list order, without dQ; dQ
