@@ -7,7 +7,8 @@
 //   S^T = K Q^T, dP^T = V dO^T               (wgmma, both operands in shared memory, K-major)
 //   P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta)   (registers)
 //   dV += P^T dO, dK += dS^T Q               (wgmma, A from registers, B = dO / Q N-major)
-// dQ: one CTA = 2 warpgroups = one 128-row query tile of one query head, key tiles of 64 rows:
+// dQ: one CTA = 2 warpgroups = one 128-row query tile of one query head, key tiles of 128 rows
+// (kRK below):
 //   S = Q K^T, dP = dO V^T; dS = P (dP - delta); dQ += dS K.
 // Both accumulate dK/dV (and dQ in the dQ kernel) in registers in a fixed order: deterministic.
 // Fast mode (kAtomicDQ) adds dQ to an fp32 buffer with atomics from the dK/dV kernel instead.
