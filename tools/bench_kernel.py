@@ -28,6 +28,7 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
   python tools/bench_kernel.py --fwd-only --interleave \
       --backends "cuda[MEGATRON_DUALKV_WS_FWD_TILE=128],cuda[MEGATRON_DUALKV_WS_FWD_TILE=176]"
       # two settings of the cuda backend timed run by run in turn, in one process
+  python tools/bench_kernel.py --interleave --backends "cuda,cuda[deterministic=1]"   # fast vs deterministic backward
 """
 
 from __future__ import annotations
