@@ -1,5 +1,7 @@
-// DualKV backward dK/dV + dQ for Hopper (sm_90a), warp-specialized ("ws"): the default backward
-// in fast mode (deterministic=True runs the sm90 kernels).
+// DualKV backward dK/dV + dQ for Hopper (sm_90a), warp-specialized ("ws"): the default backward.
+// Fast mode adds dQ as described below. kDQ = false (deterministic=True, no dq_acc): dK and dV only,
+// every walk in list order (no phase-aligned start; the caller passes no split items), so they are
+// bitwise reproducible; the sm90 dQ kernel then computes dQ (dualkv_ws_ops.cpp).
 //
 // Same math as dkdv_kernel<..., kAtomicDQ = true> in dualkv_bwd_sm90.cu, and the same per-CTA
 // accumulation order of dK/dV where no walk is phase-aligned or split (field 7 below) (one CTA
