@@ -303,9 +303,10 @@ static cudaError_t dq_rk(const DqArgs& qa, cudaStream_t stream) {
 
 template <typename T, int D>
 static cudaError_t dq_t(const DqArgs& qa, cudaStream_t stream) {
-  const char* kt = std::getenv("MEGATRON_DUALKV_DQ_KTILE");
-  if (kt && std::strcmp(kt, "64") == 0) return dq_rk<T, D, 64>(qa, stream);
-  return dq_rk<T, D, 128>(qa, stream);
+  const int kt = dq_key_tile_from_env();
+  if (kt == 64) return dq_rk<T, D, 64>(qa, stream);
+  if (kt == 128) return dq_rk<T, D, 128>(qa, stream);
+  return cudaErrorInvalidValue;  // the ops check the variable first, with a clear message
 }
 
 template <typename T, int D>
@@ -330,6 +331,13 @@ cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs
   if (dtype == kFP16 && d == 128) return sm90::bwd_t<__half, 128>(da, qa, ka, dtype, stream);
   if (dtype == kFP16 && d == 64) return sm90::bwd_t<__half, 64>(da, qa, ka, dtype, stream);
   return cudaErrorInvalidValue;
+}
+
+int dq_key_tile_from_env() {
+  const char* m = std::getenv("MEGATRON_DUALKV_DQ_KTILE");
+  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "128") == 0) return 128;
+  if (std::strcmp(m, "64") == 0) return 64;
+  return -1;
 }
 
 cudaError_t launch_dq_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream) {

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -163,6 +164,12 @@ inline DkvArgs dkv_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 // `op` names the op in the message. Launchers of kernels that read through TMA (`tma`: the ws
 // kernels) return cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.
+// before a launch of the sm90 dQ kernel, whose key tile comes from the environment
+inline void check_dq_key_tile_env() {
+  TORCH_CHECK(dq_key_tile_from_env() > 0, "megatron_dualkv: MEGATRON_DUALKV_DQ_KTILE must be '64' or '128', got '",
+              std::getenv("MEGATRON_DUALKV_DQ_KTILE"), "'");
+}
+
 inline void check_launch(cudaError_t err, const char* op, bool tma) {
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv ", op, " launch failed: ", cudaGetErrorString(err),
               tma && err == cudaErrorInvalidResourceHandle ? " (TMA tensor map could not be encoded)" : "");

@@ -84,6 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout_i
   // turns it off. Workspace: fp32 [T, Hq, D].
   const char* aenv = std::getenv("MEGATRON_DUALKV_ATOMIC_DQ");
   const bool atomic_dq = sm90 && !deterministic && !(aenv && std::atoi(aenv) == 0);
+  if (sm90 && !atomic_dq) check_dq_key_tile_env();
   at::Tensor dq_acc;
   if (atomic_dq) dq_acc = at::zeros({T, hq, d}, q.options().dtype(at::kFloat));
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);

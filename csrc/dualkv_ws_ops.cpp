@@ -80,6 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     TORCH_CHECK(split_slots == 0, "megatron_dualkv: the deterministic ws backward takes kv items without splits "
                 "(split_slots = ", split_slots, "): split parts add their dK/dV in fp32 atomics");
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
+    check_dq_key_tile_env();
   }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(in.dout.data_ptr()) % 16 == 0,
               "megatron_dualkv: the ws backward reads dout with TMA, which needs a 16-byte aligned data pointer");
@@ -88,22 +89,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   auto dk = at::empty_like(k);
   auto dv = at::empty_like(v);
   auto delta = per_head_row_floats(q);
-  if (deterministic) {
-    const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
-    mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, at::Tensor(), scale);
-    auto stream = at::cuda::getCurrentCUDAStream();
-    check_launch(mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), stream), "bwd_ws_sm90", true);
-    const mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
-    check_launch(mdkv::launch_dq_sm90(qa, dtype_code(q), q.size(2), stream), "bwd_ws_sm90 (dq)", false);
-    return {dq, dk, dv};
+  // fast mode: the fp32 dQ sums, and behind them (zeroed by the same fill) the int phase slots
+  // [items, hkv] of the phase-aligned walks (kv item field 7 < 0; at most one slot per item).
+  // Deterministic: neither (no dq_acc: the kernel computes dK/dV only, then the dQ kernel runs).
+  at::Tensor acc, dq_acc;
+  if (!deterministic) {
+    acc = at::zeros({q.numel() + kv_work.size(0) * k.size(1)}, q.options().dtype(at::kFloat));
+    dq_acc = acc.narrow(0, 0, q.numel()).view(q.sizes());
   }
-  // the fp32 dQ sums, and behind them (zeroed by the same fill) the int phase slots [items, hkv]
-  // of the phase-aligned walks (kv item field 7 < 0; at most one slot per item)
-  auto acc = at::zeros({q.numel() + kv_work.size(0) * k.size(1)}, q.options().dtype(at::kFloat));
-  auto dq_acc = acc.narrow(0, 0, q.numel()).view(q.sizes());
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
   mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
-  ka.phase = reinterpret_cast<int*>(acc.data_ptr<float>() + q.numel());
+  if (acc.defined()) ka.phase = reinterpret_cast<int*>(acc.data_ptr<float>() + q.numel());
   at::Tensor split_acc, split_count;  // dK/dV sums and tickets of the key tiles split by query rows
   if (split_slots > 0) {
     split_acc = at::zeros({split_slots, k.size(1), 2, 128, q.size(2)}, q.options().dtype(at::kFloat));
@@ -111,9 +107,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     ka.split_acc = split_acc.data_ptr<float>();
     ka.split_count = split_count.data_ptr<int>();
   }
-  auto err = mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), at::cuda::getCurrentCUDAStream());
-  check_launch(err, "bwd_ws_sm90", true);
-  finish_dq(dq_acc, dq, scale);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  check_launch(mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), stream), "bwd_ws_sm90", true);
+  if (deterministic) {
+    const mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
+    check_launch(mdkv::launch_dq_sm90(qa, dtype_code(q), q.size(2), stream), "bwd_ws_sm90 (dq)", false);
+  } else {
+    finish_dq(dq_acc, dq, scale);
+  }
   return {dq, dk, dv};
 }
 

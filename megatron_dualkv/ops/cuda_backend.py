@@ -636,14 +636,12 @@ class _DualKVFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
-def _lists(work: Work, fwd_kind: str, bwd_kind: str, deterministic: bool) -> tuple:
+def _lists(work: Work, fwd_kind: str, bwd_kind: str) -> tuple:
     """(forward rows, backward rows, kv items, ranges, backward kernel, split slots) for the
     kernels chosen. The ws backward's deterministic mode takes `work` built without splits and
     phase-aligned walks (forward() builds it so) and the 128-row query tiles for its dQ kernel."""
     fwd_rows = work.rows64 if fwd_kind == "mma" else work.rows128
-    if bwd_kind == "ws":
-        if deterministic and work.ws_split_slots:
-            raise ValueError("DualKV CUDA backend: the deterministic ws backward needs work lists without splits")
+    if bwd_kind == "ws":  # (the op refuses split items in deterministic mode)
         return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws", work.ws_split_slots
     if bwd_kind == "mma":
         return fwd_rows, work.rows64, work.kv64, work.ranges, "mma", 0
@@ -717,7 +715,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     fast_ws_bwd = bi == "ws" and not deterministic  # splits and phase-aligned walks change the sums' order
     split = ws_split(q, k) if fast_ws_bwd else None
     work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase())
-    fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi, bool(deterministic))
+    fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
     fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail()) if fi == "ws" else (128, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
                                  slots, fwd_tiling)

@@ -478,11 +478,23 @@ def test_ws_backward_names_a_bad_switch(var, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("bwd", ["sm90", "ws"])
+def test_dq_kernel_names_a_bad_key_tile(bwd, monkeypatch):
+    """MEGATRON_DUALKV_DQ_KTILE (the deterministic dQ kernel's key rows per step) other than 64 or
+    128 is an error naming the variable, in both backwards that run that kernel."""
+    seg = make_segments([(100, [30, 7])])
+    q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KTILE", "96")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DQ_KTILE must be"):
+        run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl=bwd)
+
+
+@gpu
 @pytest.mark.parametrize("fwd_kind, tiling", [("sm90", (128, False)), ("ws", (176, True))])
 def test_torch_compile_traces_the_ops(fwd_kind, tiling):
     seg = make_segments([(200, [10, 70])])
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
-    lists = cuda_backend._lists(cuda_backend.work_tensors(seg, q.device), fwd_kind, "sm90", False)
+    lists = cuda_backend._lists(cuda_backend.work_tensors(seg, q.device), fwd_kind, "sm90")
 
     def f(q, k, v):
         return cuda_backend._DualKVFunction.apply(q, k, v, *lists[:4], 0.09, False, fwd_kind, lists[4], lists[5],
