@@ -36,7 +36,7 @@ def _cuda_extensions():
     from torch.utils.cpp_extension import CUDAExtension
 
     files = ["dualkv_ops.cpp", "dualkv_kernels.cu", "dualkv_fwd_sm90.cu", "dualkv_bwd_sm90.cu",
-             "dualkv_ws_ops.cpp", "dualkv_fwd_ws_sm90.cu", "dualkv_bwd_ws_sm90.cu"]
+             "dualkv_ws_ops.cpp", "dualkv_fwd_ws_sm90.cu", "dualkv_bwd_ws_sm90.cu", "dualkv_dq_ws_sm90.cu"]
     sources = [os.path.join("csrc", f) for f in files]
     includes = [os.path.abspath("csrc")]
     try:  # CUDA library headers from the pip CUDA wheels, for toolkits that lack them (cusparse.h)

@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, f) for f in ("dualkv_ops.cpp", "dualkv_kernels.cu", "dualkv_fwd_sm90.cu", "dualkv_bwd_sm90.cu",
-                                                  "dualkv_ws_ops.cpp", "dualkv_fwd_ws_sm90.cu", "dualkv_bwd_ws_sm90.cu")]
+                                                  "dualkv_ws_ops.cpp", "dualkv_fwd_ws_sm90.cu", "dualkv_bwd_ws_sm90.cu", "dualkv_dq_ws_sm90.cu")]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--use_fast_math",
               "-Xptxas=-v", "-lineinfo"]
 CXX_FLAGS = ["-O3", "-std=c++17"]

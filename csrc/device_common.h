@@ -237,6 +237,29 @@ __device__ __forceinline__ void mask_scores(Acc& s, int k0, bool is_par, int par
   }
 }
 
+// The backward's dS = P (dP - delta) in place of the scores S [rows x N] (a fragment; this
+// thread's rows row_a, row_a + 8), P = exp2(S sl2 - lse2) from the forward's LSE in log2 units;
+// kMasked: P = 0 where the row may not see the key of tile [k0, k0 + N) (from the parent's end
+// par1 on, or past the row itself). Both dQ kernels use it, so their dQ is bitwise the same.
+template <int N, bool kMasked>
+__device__ __forceinline__ void scores_to_ds(float (&s)[N / 2], const float (&dp)[N / 2], const float (&lse2)[2],
+                                             const float (&dlt)[2], float sl2, int k0, bool is_par, int par1,
+                                             int row_a, int lane) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      float p = exp2f(fmaf(s[4 * j + e], sl2, -lse2[r]));
+      if constexpr (kMasked) {
+        const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+        const int row = row_a + r * 8;
+        if (!(is_par ? (col < par1) : (col <= row))) p = 0.f;
+      }
+      s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);
+    }
+}
+
 // Online softmax step over the scores S [rows x N] (a fragment; log2 scale sl2): S becomes the
 // unnormalised P in place, the running max m (log2 units) and sum l are updated; then, per row
 // half r, rescaled(r, alpha) with the factor its output rows must be multiplied by.

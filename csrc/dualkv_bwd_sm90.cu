@@ -255,25 +255,10 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
     const bool is_par = t < tile.n_par;
     // one branch per tile, the masked and unmasked loops as two copies (a compare and branch per
     // element otherwise: docs/PERF.md, the ws backward's same change)
-    auto ds = [&](auto masked) {
-#pragma unroll
-      for (int j = 0; j < kRK / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          float p = exp2f(fmaf(s[4 * j + e], sl2, -lse2[r]));
-          if constexpr (decltype(masked)::value) {
-            const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
-            const int row = row_a + r * 8;
-            if (!(is_par ? (col < tile.par1) : (col <= row))) p = 0.f;
-          }
-          s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);  // dS
-        }
-    };
     if (tile.needs_mask(t))
-      ds(std::true_type{});
+      scores_to_ds<kRK, true>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
     else
-      ds(std::false_type{});
+      scores_to_ds<kRK, false>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
 
     uint32_t da[kRK / 16][4];
     pack_frags<T, kRK>(da, s);

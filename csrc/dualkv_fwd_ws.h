@@ -24,7 +24,7 @@ namespace mdkv {
 // dK/dV kernel. Fast mode: it also adds unscaled dQ into ka.dq_acc (fp32 [T, Hq, D], zeroed by the
 // caller). ka.dq_acc null: dK and dV only, each key tile's in list order (no phase-aligned walks;
 // the caller passes no split items), bitwise reproducible; the deterministic mode then runs
-// launch_dq_sm90. kv items of 128-row key tiles.
+// launch_dq_ws_sm90 (or launch_dq_sm90). kv items of 128-row key tiles.
 cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream);
 // How that kernel adds dQ, from MEGATRON_DUALKV_WS_DQ (read at every launch): 1 = "tma" (unset or
 // empty too: one TMA reduce-add per 32-column half of a query tile), 0 = "atomic" (per-thread

@@ -84,6 +84,13 @@ cudaError_t launch_dq_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stre
 // Key rows per step of that dQ kernel, from MEGATRON_DUALKV_DQ_KTILE (read at every launch): 128
 // (unset or empty too), 64, or -1 for any other value (the launch then returns cudaErrorInvalidValue)
 int dq_key_tile_from_env();
+// The deterministic dQ kernel, warp-specialized (csrc/dualkv_dq_ws_sm90.cu): same items, math and
+// accumulation order as launch_dq_sm90's (bitwise the same dQ); q, dout, k, v 16-byte aligned (TMA).
+// Returns cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.
+cudaError_t launch_dq_ws_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream);
+// Which dQ kernel the ws backward's deterministic mode runs, from MEGATRON_DUALKV_DQ_KERNEL (read at
+// every launch): 1 = "ws" (unset or empty too), 0 = "sm90", -1 = any other value
+int dq_kernel_from_env();
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                        cudaStream_t stream);
 

@@ -170,6 +170,12 @@ inline void check_dq_key_tile_env() {
               std::getenv("MEGATRON_DUALKV_DQ_KTILE"), "'");
 }
 
+// before the ws backward's deterministic dQ, whose kernel comes from the environment
+inline void check_dq_kernel_env() {
+  TORCH_CHECK(dq_kernel_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_DQ_KERNEL must be 'ws' or 'sm90', got '",
+              std::getenv("MEGATRON_DUALKV_DQ_KERNEL"), "'");
+}
+
 inline void check_launch(cudaError_t err, const char* op, bool tma) {
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv ", op, " launch failed: ", cudaGetErrorString(err),
               tma && err == cudaErrorInvalidResourceHandle ? " (TMA tensor map could not be encoded)" : "");

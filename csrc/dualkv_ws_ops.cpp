@@ -9,8 +9,9 @@
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
 //                                deterministic, split_slots=0) -> (dq, dk, dv)
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
-//     dQ by the sm90 dq kernel over row_work (128-row query tiles, cuda_backend's rows128): bitwise
-//     reproducible, and equal to bwd_sm90's deterministic mode; all T query rows, no split items
+//     dQ over row_work (128-row query tiles, cuda_backend's rows128) by the ws dQ kernel, or the
+//     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same): bitwise reproducible, and
+//     equal to bwd_sm90's deterministic mode; all T query rows, no split items
 //
 // q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
@@ -80,7 +81,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     TORCH_CHECK(split_slots == 0, "megatron_dualkv: the deterministic ws backward takes kv items without splits "
                 "(split_slots = ", split_slots, "): split parts add their dK/dV in fp32 atomics");
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
-    check_dq_key_tile_env();
+    check_dq_kernel_env();
+    if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
   }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(in.dout.data_ptr()) % 16 == 0,
               "megatron_dualkv: the ws backward reads dout with TMA, which needs a 16-byte aligned data pointer");
@@ -111,7 +113,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   check_launch(mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), stream), "bwd_ws_sm90", true);
   if (deterministic) {
     const mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
-    check_launch(mdkv::launch_dq_sm90(qa, dtype_code(q), q.size(2), stream), "bwd_ws_sm90 (dq)", false);
+    if (mdkv::dq_kernel_from_env() == 1)
+      check_launch(mdkv::launch_dq_ws_sm90(qa, dtype_code(q), q.size(2), stream), "bwd_ws_sm90 (dq_ws)", true);
+    else
+      check_launch(mdkv::launch_dq_sm90(qa, dtype_code(q), q.size(2), stream), "bwd_ws_sm90 (dq)", false);
   } else {
     finish_dq(dq_acc, dq, scale);
   }

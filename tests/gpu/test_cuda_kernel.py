@@ -296,6 +296,34 @@ def test_dq_kernel_key_tiles_give_the_same_bits(case, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_wsbwd_dq_kernels_give_the_same_bits(case, monkeypatch):
+    """The deterministic ws backward's dQ by the warp-specialized dQ kernel (default, 64-key tiles)
+    and by the sm90 one (MEGATRON_DUALKV_DQ_KERNEL=sm90, 128-key steps): the same k16 slices in
+    the same key order, so bitwise equal dq; dk, dv come from the same dK/dV kernel."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=77 + case + random.randrange(1 << 20))
+    ws = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "sm90")
+    ref = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
+    assert torch.isfinite(ws[2]).all(), "dq: non-finite elements (unwritten?)"
+    assert torch.equal(ws[2], ref[2]), f"dq differs between the ws and the sm90 dQ kernels: rel {rel(ws[2], ref[2]):.3e}"
+    for name, i in (("dk", 3), ("dv", 4)):
+        assert torch.equal(ws[i], ref[i]), f"{name} differs with the dQ kernel"
+
+
+@gpu
+def test_wsbwd_dq_kernel_names_a_bad_kernel(monkeypatch):
+    """MEGATRON_DUALKV_DQ_KERNEL other than ws or sm90 is an error naming the variable."""
+    seg = make_segments([(100, [30, 7])])
+    q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=6)
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "fast")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DQ_KERNEL must be"):
+        run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
+
+
+@gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_deterministic_wsbwd_equals_sm90(case):
     """The ws backward's deterministic mode (dK/dV by the ws kernel in list order, without dQ; dQ
@@ -480,10 +508,12 @@ def test_ws_backward_names_a_bad_switch(var, monkeypatch):
 @gpu
 @pytest.mark.parametrize("bwd", ["sm90", "ws"])
 def test_dq_kernel_names_a_bad_key_tile(bwd, monkeypatch):
-    """MEGATRON_DUALKV_DQ_KTILE (the deterministic dQ kernel's key rows per step) other than 64 or
-    128 is an error naming the variable, in both backwards that run that kernel."""
+    """MEGATRON_DUALKV_DQ_KTILE (the sm90 dQ kernel's key rows per step) other than 64 or 128 is
+    an error naming the variable, in both backwards that run that kernel (the ws backward with
+    MEGATRON_DUALKV_DQ_KERNEL=sm90)."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "sm90")
     monkeypatch.setenv("MEGATRON_DUALKV_DQ_KTILE", "96")
     with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DQ_KTILE must be"):
         run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl=bwd)

@@ -1,0 +1,292 @@
+// DualKV dQ for Hopper (sm_90a), warp-specialized: the deterministic backward's dQ kernel
+// (launch_dq_ws_sm90; the ws backward's dK/dV kernel runs first without dQ).
+//
+// Same math, items and accumulation order as dq_kernel in dualkv_bwd_sm90.cu (one CTA per 128-row
+// query tile and query head; the parent's key tiles, then the segment's own, each adding the same
+// k16 slices in key order), so dQ is bitwise the same; the structure is the ws forward's
+// (dualkv_fwd_ws_sm90.cu), with dP = dO V^T beside S = Q K^T and dQ += dS K in place of O += P V:
+//   warpgroup 0, producer: one thread loads Q and dO once and every key tile's K and V (kBK = 64
+//     rows) with TMA into a ring of kStages stages.
+//   warpgroups 1, 2, consumers: 64 query rows each, dQ in registers. Per key tile t a consumer
+//     issues S_t and dP_t (one group) and dQ += dS_{t-1} K_{t-1} (a second group) back to back,
+//     waits for the first only, and computes dS_t = P_t (dP_t - delta) under the dQ MMA. Their
+//     issue sections take turns (named barriers, as in the forward), so one consumer's dS runs
+//     while the other's MMAs hold the tensor cores.
+// 64-key tiles: the overlap keeps dS_{t-1} (packed) and dQ live while S_t and dP_t are written,
+// 64 + 2 x 32 + 16 registers of fragments instead of 224 at 128 keys. K_t is read twice (S_t, then
+// dQ one step later) and is released after its dQ MMA; V_t after dP_t.
+//
+// mbarrier phases (key tile t in stage t % kStages, u = t / kStages its stage's use):
+//   q_full: 1 arrival + the Q and dO bytes, parity 0.
+//   k_full[s], v_full[s]: 1 arrival + the tile's bytes; consumers wait for parity u & 1.
+//   k_empty[s], v_empty[s]: 8 arrivals (lane 0 of each consumer warp); the producer waits for
+//     parity (u - 1) & 1 before refilling. K_t is released at the top of step t + 2 at the
+//     latest, so kStages >= 3 keeps one tile loading ahead; a consumer cannot release a stage's
+//     next use before the other released this one (that tile is not loaded before), so the 8
+//     arrivals of a phase belong to one tile.
+// Named barriers 1, 2: consumer 1 arrives once up front, then each passes the turn after each of
+// its n issue sections except consumer 1 after its last (equal sync and arrive counts).
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <math.h>
+
+#include "dualkv_kernels.h"
+#include "sm90_common.h"
+#include "sm90_ws_common.h"
+#include "wgmma_ops.h"
+#include "work_items.h"
+
+namespace mdkv {
+namespace dqws {
+
+using namespace sm90ws;
+using sm90::pack_frags;
+using sm90::reg_fence;
+using sm90::wg_commit;
+using sm90::wg_fence;
+using sm90::wg_wait;
+using sm90::wgmma_regs_x_tile;
+using sm90::wgmma_rows_x_rows;
+
+constexpr int kBQ = 128;  // query rows per CTA (2 consumers x 64)
+constexpr int kBK = 64;   // key rows per tile
+constexpr int kThreadsWS = 384;
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(regs_fit_384(kProducerRegs, kConsumerRegs), "consumer registers would never be granted");
+constexpr int kSchedBar = 1;  // named barriers 1, 2 (0 is __syncthreads)
+
+// shared memory: Q, dO [kBQ x D], K and V [kStages][kBK x D] (D / 64 swizzled panels each), the
+// mbarriers; 1024-aligned base. D = 128: 64 KB + 4 x 32 KB; D = 64: 32 KB + 6 x 16 KB.
+template <typename T, int D>
+struct Smem {
+  static constexpr int kStages = D == 128 ? 4 : 6;
+  static constexpr int kQ = 0;
+  static constexpr int kdO = kQ + kBQ * D * (int)sizeof(T);
+  static constexpr int kK = kdO + kBQ * D * (int)sizeof(T);
+  static constexpr int kV = kK + kStages * kBK * D * (int)sizeof(T);
+  static constexpr int kBar = kV + kStages * kBK * D * (int)sizeof(T);
+  static constexpr int kBarCount = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+  static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
+  static_assert(kBytes <= 227 * 1024, "shared memory of the ws dQ kernel exceeds the 227 KB an sm_90 CTA can have");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreadsWS, 1)
+    dq_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                 const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v, DqArgs a) {
+  using L = Smem<T, D>;
+  constexpr int kStages = L::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+  T* sQ = reinterpret_cast<T*>(base + L::kQ);
+  T* sdO = reinterpret_cast<T*>(base + L::kdO);
+  T* sK = reinterpret_cast<T*>(base + L::kK);
+  T* sV = reinterpret_cast<T*>(base + L::kV);
+  const uint32_t bar0 = smem_addr(reinterpret_cast<void*>(base + L::kBar));
+  const uint32_t q_full = bar0;
+  auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
+  auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
+  auto k_empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
+  auto stage = [](int t) { return t % kStages; };
+  auto parity = [](int t) { return (uint32_t)((t / kStages) & 1); };
+
+  // kv-head-major block order, as the forward's: the CTAs resident at once read one kv head's K/V
+  const int group = a.hq / a.hkv;
+  const int per_hk = a.num_items * group;
+  const int hk = (int)(blockIdx.x / per_hk);
+  const int item = (int)(blockIdx.x % per_hk) / group;
+  const int h = hk * group + (int)(blockIdx.x % group);
+  const RowItem<kBK> tile(a.work + item * 8);
+  const int n = tile.n_total;  // >= 1: the segment's own rows
+
+  const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);  // warp-uniform
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), 8);
+      mbar_init(v_empty(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (role == 0) {
+    // ------------------------------- producer -------------------------------
+    regs_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_map(&tm_q);
+      prefetch_map(&tm_do);
+      prefetch_map(&tm_k);
+      prefetch_map(&tm_v);
+      constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
+      mbar_expect_tx(q_full, 2 * kBQ * D * sizeof(T));
+#pragma unroll
+      for (int p = 0; p < D / 64; ++p) {
+        tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, tile.q0);
+        tma_load(smem_addr(sdO + p * kBQ * 64), &tm_do, q_full, p * 64, h, tile.q0);
+      }
+      for (int t = 0; t < n; ++t) {
+        const int st = stage(t), k0 = tile.kv_start(t);
+        if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
+        mbar_expect_tx(k_full(st), kTileBytes);
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), &tm_k, k_full(st), p * 64, hk, k0);
+        if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
+        mbar_expect_tx(v_full(st), kTileBytes);
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), &tm_v, v_full(st), p * 64, hk, k0);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------- consumers -------------------------------
+  regs_inc<kConsumerRegs>();
+  const int cw = role - 1;
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int row_a = tile.q0 + cw * 64 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
+  const T* sQw = sQ + cw * 64 * 64;
+  const T* sdOw = sdO + cw * 64 * 64;
+  const float sl2 = a.scale_log2;
+  const int my_bar = kSchedBar + cw, other_bar = kSchedBar + (cw ^ 1);
+
+  float lse2[2], dlt[2];
+  load_row_lse_delta(lse2, dlt, a.lse, a.delta, h, a.T, row_a, tile.q1);
+  float dq[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+  float s[kBK / 2], dp[kBK / 2];
+  uint32_t da[kBK / 16][4];
+
+  // dS_t in place of S_t, masked only where tile t needs it (one branch per tile)
+  auto ds_step = [&](int t) {
+    const int k0 = tile.kv_start(t);
+    const bool is_par = t < tile.n_par;
+    if (tile.needs_mask(t))
+      scores_to_ds<kBK, true>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
+    else
+      scores_to_ds<kBK, false>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
+  };
+
+  mbar_wait(q_full, 0);
+  if (cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
+
+  // tile 0: S and dP only
+  mbar_wait(k_full(0), 0);
+  mbar_wait(v_full(0), 0);
+  named_sync(my_bar, 256);
+  wg_fence();
+  wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
+  wgmma_rows_x_rows<T, D, kBQ, kBK>(dp, sdOw, 0, sV);
+  wg_commit();
+  if (cw == 0 || n > 1) named_arrive(other_bar, 256);
+  wg_wait<0>();
+  reg_fence(s);
+  reg_fence(dp);
+  if (lane == 0) mbar_arrive(v_empty(0));
+  ds_step(0);
+
+  // steady state: S_t, dP_t and dQ += dS_{t-1} K_{t-1} in flight together; dS_t under the dQ MMA
+  for (int t = 1; t < n; ++t) {
+    const int st = stage(t), sp = stage(t - 1);
+    wg_wait<0>();  // dQ += dS_{t-2} K_{t-2} complete (nothing pending when t = 1)
+    reg_fence(dq);
+    reg_fence_u(da);
+    if (lane == 0 && t >= 2) mbar_arrive(k_empty(stage(t - 2)));
+    pack_frags<T, kBK>(da, s);
+    mbar_wait(k_full(st), parity(t));
+    mbar_wait(v_full(st), parity(t));
+    named_sync(my_bar, 256);
+    reg_fence(dq);
+    reg_fence_u(da);
+    wg_fence();
+    wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + st * kBK * D);
+    wgmma_rows_x_rows<T, D, kBQ, kBK>(dp, sdOw, 0, sV + st * kBK * D);
+    wg_commit();
+    wgmma_regs_x_tile<T, D, kBK>(dq, da, sK + sp * kBK * D);
+    wg_commit();
+    if (cw == 0 || t + 1 < n) named_arrive(other_bar, 256);
+    wg_wait<1>();  // S_t and dP_t complete, the dQ MMA still running
+    reg_fence(s);
+    reg_fence(dp);
+    if (lane == 0) mbar_arrive(v_empty(st));
+    ds_step(t);
+  }
+
+  // the last dQ product
+  {
+    wg_wait<0>();
+    reg_fence(dq);
+    reg_fence_u(da);
+    if (lane == 0 && n >= 2) mbar_arrive(k_empty(stage(n - 2)));
+    pack_frags<T, kBK>(da, s);
+    const int sl = stage(n - 1);
+    reg_fence(dq);
+    reg_fence_u(da);
+    wg_fence();
+    wgmma_regs_x_tile<T, D, kBK>(dq, da, sK + sl * kBK * D);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(dq);
+    if (lane == 0) mbar_arrive(k_empty(sl));
+  }
+
+  const long qs = (long)a.hq * D;
+  T* dqg = reinterpret_cast<T*>(a.dq) + h * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_a + r * 8;
+    store_frag_row_x4<T, D>(dqg, qs, row, lane, dq, r, a.scale, row < tile.q1);
+  }
+}
+
+template <typename T, int D>
+static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
+  using L = Smem<T, D>;
+  auto k = dq_ws_kernel<T, D>;
+  cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+  if (e != cudaSuccess) return e;
+  if (a.num_items == 0 || a.T == 0) return cudaSuccess;
+  CUtensorMap mq, mdo, mk, mv;
+  const int es = (int)sizeof(T);
+  if (!make_map(&mq, a.q, dt, D, a.hq, a.T, kBQ, es) || !make_map(&mdo, a.dout, dt, D, a.hq, a.T, kBQ, es) ||
+      !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) || !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
+    return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
+  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mdo, mk, mv, a);
+  return cudaGetLastError();
+}
+
+}  // namespace dqws
+
+int dq_kernel_from_env() {
+  const char* m = std::getenv("MEGATRON_DUALKV_DQ_KERNEL");
+  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "ws") == 0) return 1;
+  if (std::strcmp(m, "sm90") == 0) return 0;
+  return -1;
+}
+
+cudaError_t launch_dq_ws_sm90(const DqArgs& a, int dtype, int d, cudaStream_t stream) {
+  constexpr auto bf = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, hf = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  if (dtype == kBF16 && d == 128) return dqws::dq_ws_t<__nv_bfloat16, 128>(a, bf, stream);
+  if (dtype == kBF16 && d == 64) return dqws::dq_ws_t<__nv_bfloat16, 64>(a, bf, stream);
+  if (dtype == kFP16 && d == 128) return dqws::dq_ws_t<__half, 128>(a, hf, stream);
+  if (dtype == kFP16 && d == 64) return dqws::dq_ws_t<__half, 64>(a, hf, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace mdkv
