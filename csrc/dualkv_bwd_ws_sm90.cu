@@ -1,7 +1,7 @@
 // DualKV backward dK/dV + dQ for Hopper (sm_90a), warp-specialized ("ws"): the default backward.
 // Fast mode adds dQ as described below. kDQ = false (deterministic=True, no dq_acc): dK and dV only,
-// every walk in list order (no phase-aligned start; the caller passes no split items), so they are
-// bitwise reproducible; the sm90 dQ kernel then computes dQ (dualkv_ws_ops.cpp).
+// every walk in list order (no phase-aligned start), a split key tile's parts summed in part order
+// (epilogue), so they are bitwise reproducible; a dQ kernel then computes dQ (dualkv_ws_ops.cpp).
 //
 // Same math as dkdv_kernel<..., kAtomicDQ = true> in dualkv_bwd_sm90.cu, and the same per-CTA
 // accumulation order of dK/dV where no walk is phase-aligned or split (field 7 below) (one CTA
@@ -217,9 +217,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int hk = band_block / band_items;
   const int* w = a.work + item * 8;
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = kWide ? w[6] : w[4];
-  // field 7: 0, or (slot << 12) | parts: a key tile split by query rows (cuda_backend.ws_kv_work,
-  // where one CTA walking all its rows would outlast the rest of the grid) into `parts` items of
-  // which this is one; it sums its dK/dV into the fp32 workspace of `slot` (epilogue below)
+  // field 7: 0, or (slot << 20) | (part << 10) | parts: a key tile split by query rows
+  // (cuda_backend.split_by_rows, where one CTA walking all its rows would outlast the rest of the
+  // grid) into `parts` items of which this is number `part`; its dK/dV go to the fp32 workspace
+  // (epilogue below): fast mode, added into slot `slot`; deterministic (!kDQ), stored into slot
+  // slot + part, the tile's parts numbering consecutive slots from `slot`
   // (step i: query head hk * group + i / per_head, its query tile i % per_head)
   // or < 0: -1 - phase slot, the walk of a root's key tile whose child ranges come first and are
   // walked from the step other CTAs of this kv head walk now (below)
@@ -636,16 +638,28 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
   float dk_scale = a.scale;
   if (split) {
-    // this part's dK (scaled) and dV added into the slot's fp32 sums [2][kKVB][D] of kv head hk
-    // (16-byte atomics: half the requests of float2 adds, 3-4 % faster backward on GRPO shapes);
-    // the part that finishes last (a ticket after __threadfence) converts the sums to T
-    const int slot = split >> 12, parts = split & 4095;
-    float* acc = a.split_acc + (long)(slot * a.hkv + hk) * 2 * kKVB * D;
+    // Fast mode: this part's dK (scaled) and dV added into the slot's fp32 sums [2][kKVB][D] of kv
+    // head hk (16-byte atomics: half the requests of float2 adds, 3-4 % faster backward on GRPO
+    // shapes). Deterministic: stored into a slot of its own, and the sum is taken over the parts'
+    // slots in part order, so it does not depend on which part finishes when. Either way the part
+    // that finishes last (a ticket after __threadfence) converts the sums to T.
+    const int slot = split >> 20, part = (split >> 10) & 1023, parts = split & 1023;
+    auto slot_acc = [&](int s) { return a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D; };
+    float* acc = slot_acc(kDQ ? slot : slot + part);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = krow_a + r * 8;
-      red_frag_row_x4<D>(acc, D, row - k0, lane, dk, r, a.scale, row < k1);
-      red_frag_row_x4<D>(acc + kKVB * D, D, row - k0, lane, dv, r, 1.f, row < k1);
+      if constexpr (kDQ) {
+        red_frag_row_x4<D>(acc, D, row - k0, lane, dk, r, a.scale, row < k1);
+        red_frag_row_x4<D>(acc + kKVB * D, D, row - k0, lane, dv, r, 1.f, row < k1);
+      } else if (row < k1) {
+        float* pk = acc + (long)(row - k0) * D + (lane & 3) * 2;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          __stcg(reinterpret_cast<float2*>(pk + j * 8), make_float2(dk[4 * j + 2 * r] * a.scale, dk[4 * j + 2 * r + 1] * a.scale));
+          __stcg(reinterpret_cast<float2*>(pk + kKVB * D + j * 8), make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]));
+        }
+      }
     }
     __threadfence();
     named_sync(10, 256);  // both consumers' adds are issued and fenced (and their steps done: sTd is free)
@@ -659,13 +673,17 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     for (int r = 0; r < 2; ++r) {
       const int row = krow_a + r * 8;
       if (row >= k1) continue;
-      const float* pk = acc + (long)(row - k0) * D + (lane & 3) * 2;
+      for (int p = 0; p < (kDQ ? 1 : parts); ++p) {  // fast mode: the one slot; else in part order
+        const float* pk = slot_acc(kDQ ? slot : slot + p) + (long)(row - k0) * D + (lane & 3) * 2;
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const float2 sk = __ldcg(reinterpret_cast<const float2*>(pk + j * 8));
-        const float2 sv = __ldcg(reinterpret_cast<const float2*>(pk + kKVB * D + j * 8));
-        dk[4 * j + 2 * r] = sk.x, dk[4 * j + 2 * r + 1] = sk.y;
-        dv[4 * j + 2 * r] = sv.x, dv[4 * j + 2 * r + 1] = sv.y;
+        for (int j = 0; j < D / 8; ++j) {
+          const float2 sk = __ldcg(reinterpret_cast<const float2*>(pk + j * 8));
+          const float2 sv = __ldcg(reinterpret_cast<const float2*>(pk + kKVB * D + j * 8));
+          dk[4 * j + 2 * r] = p == 0 ? sk.x : dk[4 * j + 2 * r] + sk.x;
+          dk[4 * j + 2 * r + 1] = p == 0 ? sk.y : dk[4 * j + 2 * r + 1] + sk.y;
+          dv[4 * j + 2 * r] = p == 0 ? sv.x : dv[4 * j + 2 * r] + sv.x;
+          dv[4 * j + 2 * r + 1] = p == 0 ? sv.y : dv[4 * j + 2 * r + 1] + sv.y;
+        }
       }
     }
     dk_scale = 1.f;  // the sums hold dK scaled already

@@ -23,7 +23,7 @@ namespace mdkv {
 // Warp-specialized backward (csrc/dualkv_bwd_ws_sm90.cu): delta = rowsum(dO * O) - dlse, then the
 // dK/dV kernel. Fast mode: it also adds unscaled dQ into ka.dq_acc (fp32 [T, Hq, D], zeroed by the
 // caller). ka.dq_acc null: dK and dV only, each key tile's in list order (no phase-aligned walks;
-// the caller passes no split items), bitwise reproducible; the deterministic mode then runs
+// split parts stored to a slot each, summed in part order), bitwise reproducible; the deterministic mode then runs
 // launch_dq_ws_sm90 (or launch_dq_sm90). kv items of 128-row key tiles.
 cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream);
 // How that kernel adds dQ, from MEGATRON_DUALKV_WS_DQ (read at every launch): 1 = "tma" (unset or

@@ -11,14 +11,14 @@
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
 //     dQ over row_work (128-row query tiles, cuda_backend's rows128) by the ws dQ kernel, or the
 //     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same): bitwise reproducible, and
-//     equal to bwd_sm90's deterministic mode; all T query rows, no split items
+//     where no key tile is split equal to bwd_sm90's deterministic mode; all T query rows
 //
 // q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
 // tiles) carry the local row of their first query in field 6; the backward's kv items and
 // ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work; split_slots is the
-// number of key tiles it split by query rows (their dK/dV are summed in an fp32 workspace
-// allocated here). The work lists come from megatron_dualkv/ops/cuda_backend.py, which also
+// number of fp32 dK/dV slots the split key tiles' parts name (cuda_backend.split_slots: one per
+// split tile in fast mode, one per part in deterministic mode; the workspace is allocated here). The work lists come from megatron_dualkv/ops/cuda_backend.py, which also
 // registers the fake implementations.
 
 #include <torch/extension.h>
@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <vector>
 
 #include "dualkv_fwd_ws.h"
 #include "dualkv_op_args.h"
@@ -78,8 +79,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   if (deterministic) {
     TORCH_CHECK(q.size(0) == k.size(0), "megatron_dualkv: the deterministic ws backward takes all T = ", k.size(0),
                 " query rows (its dQ kernel has no local queries); q holds ", q.size(0));
-    TORCH_CHECK(split_slots == 0, "megatron_dualkv: the deterministic ws backward takes kv items without splits "
-                "(split_slots = ", split_slots, "): split parts add their dK/dV in fp32 atomics");
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
     check_dq_kernel_env();
     if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
@@ -102,9 +101,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
   mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
   if (acc.defined()) ka.phase = reinterpret_cast<int*>(acc.data_ptr<float>() + q.numel());
-  at::Tensor split_acc, split_count;  // dK/dV sums and tickets of the key tiles split by query rows
+  // dK/dV of the key tiles split by query rows, and their tickets: fast mode, one slot of sums per
+  // split tile (zeroed: parts add into it); deterministic, one slot per part (each part stores its
+  // whole slot before the last part reads it)
+  at::Tensor split_acc, split_count;
   if (split_slots > 0) {
-    split_acc = at::zeros({split_slots, k.size(1), 2, 128, q.size(2)}, q.options().dtype(at::kFloat));
+    const std::vector<int64_t> shape{split_slots, k.size(1), 2, 128, q.size(2)};
+    const auto f32 = q.options().dtype(at::kFloat);
+    split_acc = deterministic ? at::empty(shape, f32) : at::zeros(shape, f32);
     split_count = at::zeros({split_slots, k.size(1)}, q.options().dtype(at::kInt));
     ka.split_acc = split_acc.data_ptr<float>();
     ka.split_count = split_count.data_ptr<int>();
@@ -126,11 +130,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 }  // namespace
 
 // The format of the ws work lists and ops this build reads (cuda_backend.WS_LIST_FORMAT; 2: kv item
-// field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile; 4: and narrow_tail). The
+// field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile; 4: and narrow_tail; 5: a
+// split part's field 7 is (slot << 20) | (part << 10) | parts, and deterministic lists split). The
 // package refuses a build that reads another format: a format-1 build would take a phase walk for a
 // split part and write outside its workspace, a format-2 one has no kv_tile argument, a format-3
-// one no narrow_tail.
-constexpr int64_t kWsListFormat = 4;
+// one no narrow_tail, a format-4 one would read a part's slot from the wrong bits.
+constexpr int64_t kWsListFormat = 5;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });

@@ -21,8 +21,10 @@ Kernels (sm_90a, Hopper; see docs/PERF.md "CUDA kernel"):
 - `bwd_ws_sm90` (the default fast-mode backward): warp-specialized dK/dV kernel adding dQ into
   an fp32 buffer by TMA reduce-add of shared-memory tiles (csrc/dualkv_bwd_ws_sm90.cu; 8-18 %
   faster than per-thread atomics, which $MEGATRON_DUALKV_WS_DQ=atomic selects). deterministic=True:
-  the same kernel computes dK/dV only, each key tile walked in list order (no split key tiles, no
-  phase-aligned walks), then the sm90 dQ kernel: bitwise equal to the sm90 deterministic backward.
+  the same kernel computes dK/dV only, each key tile walked in list order (no phase-aligned walks;
+  a split key tile's parts store their dK/dV in a workspace slot each, summed in part order), then
+  the ws dQ kernel (csrc/dualkv_dq_ws_sm90.cu; MEGATRON_DUALKV_DQ_KERNEL=sm90: the sm90 one, bitwise
+  the same): where no key tile is split, bitwise equal to the sm90 deterministic backward.
 An extension built before the ws ops existed falls back to the sm90 kernels.
 
 Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
@@ -94,8 +96,9 @@ def _load() -> tuple[bool, str]:
 # The format of the ws work lists and ops this package uses; csrc/dualkv_ws_ops.cpp's kWsListFormat
 # is the one a build reads. 2: kv item field 7 < 0 marks a phase-aligned walk (a build before it
 # would take such an item for a split part and write outside its workspace); 3: fwd_ws_sm90 takes
-# the key tile width (kv_tile); 4: and narrow_tail.
-WS_LIST_FORMAT = 4
+# the key tile width (kv_tile); 4: and narrow_tail; 5: a split part's field 7 is
+# (slot << 20) | (part << 10) | parts (a format-4 build would read its slot from the wrong bits).
+WS_LIST_FORMAT = 5
 
 
 def _list_format_problem() -> str:
@@ -302,16 +305,23 @@ WS_SPLIT_AT = 1.2
 WS_CTA_OVERHEAD = 4
 # A part walks at least WS_SPLIT_MIN_ROWS query rows (consecutive short responses merge) and at
 # most half the split threshold's work; cuts inside a response fall on multiples of 320 rows, so
-# 64- and 80-row steps stay whole. At most 4095 parts per key tile (12 bits of field 7).
+# 64- and 80-row steps stay whole. Field 7 of a part = (slot << 20) | (part << 10) | parts: at most
+# 1023 parts per key tile and 2047 slots (a tile that would need more stays whole; a deterministic
+# list's slot per part is hkv x 128 KB at head dim 128).
 WS_SPLIT_MIN_ROWS = 256
 _SPLIT_CUT = 320
+_MAX_PARTS, _MAX_SLOTS = 1023, 2047
 
 
-def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: int, sms: int) -> tuple[list, list]:
+def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: int, sms: int,
+                  per_part: bool = False) -> tuple[list, list]:
     """`ws_kv_work`'s (items, ranges) with the key tiles that would outlast the grid split by query
     rows: each becomes parts (items with the same k0) whose ranges, appended to `ranges`, are the
-    tile's cut at segment starts, so a part walks whole responses. Field 7 of a part =
-    (slot << 12) | parts (`slot` numbers the split tiles from 0, for their fp32 dK/dV sums).
+    tile's cut at segment starts, so a part walks whole responses. Field 7 of part i of `parts` =
+    (slot << 20) | (i << 10) | parts, for the kernel's fp32 dK/dV workspace: `slot` numbers the
+    split tiles from 0 (fast mode: the parts add into their tile's slot), or with per_part
+    (deterministic mode) the tile's first slot, its parts taking consecutive slots (each stores its
+    own; the last sums them in part order).
 
     After a split the list is ordered by the segment whose rows an item walks first (its children's
     for a part, its own for a response's key tile), heaviest segment first, heaviest item first
@@ -329,15 +339,15 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     out, slots = [], 0
     for it in items:
         parts = _row_parts([ranges[r] for r in range(it[2], it[3])], starts, cap) if cta(it) > WS_SPLIT_AT * ideal else []
-        if len(parts) < 2:
+        if len(parts) < 2 or slots + (len(parts) if per_part else 1) > _MAX_SLOTS:
             out.append(it)
             continue
-        for part in parts:
+        for i, part in enumerate(parts):
             rlo = len(ranges)
             ranges += part
             out.append([it[0], it[1], rlo, len(ranges), sum(_ceil(b - a, TILE) for a, b, _, _ in part), 0,
-                        sum(_ceil(b - a, WS_BWD_WIDE_TILE) for a, b, _, _ in part), (slots << 12) | len(parts)])
-        slots += 1
+                        sum(_ceil(b - a, WS_BWD_WIDE_TILE) for a, b, _, _ in part), (slots << 20) | (i << 10) | len(parts)])
+        slots += len(parts) if per_part else 1
     out = _group_by_segment(out, lambda it: _walked_segment(it, ranges, starts), cta)
     for it in out:
         it[5] = 0
@@ -353,13 +363,13 @@ def _walked_segment(item: list, ranges: list, starts: list) -> int:
 
 def _row_parts(rs: list, starts: list, cap: int) -> list:
     """A key tile's query ranges [a, b, loc, causal] cut at segment starts and every `cap` rows,
-    then grouped in order into parts of at least WS_SPLIT_MIN_ROWS rows (at most 4095 parts)."""
+    then grouped in order into parts of at least WS_SPLIT_MIN_ROWS rows (at most _MAX_PARTS)."""
     pieces = []
     for a, b, loc, causal in rs:
         edges = [a] + starts[bisect.bisect_right(starts, a):bisect.bisect_left(starts, b)] + [b]
         for lo, hi in zip(edges, edges[1:]):
             pieces += [[x, min(x + cap, hi), loc + x - a, causal] for x in range(lo, hi, cap)]
-    min_rows = max(WS_SPLIT_MIN_ROWS, _ceil(sum(b - a for a, b, _, _ in pieces), 4000))
+    min_rows = max(WS_SPLIT_MIN_ROWS, _ceil(sum(b - a for a, b, _, _ in pieces), _MAX_PARTS))
     parts, cur, rows = [], [], 0
     for pc in pieces:
         cur.append(pc)
@@ -383,10 +393,12 @@ def _mark_long_band(items: list, work) -> None:
         it[5] = n_long
 
 
-def split_slots(items: list) -> int:
-    """How many key tiles `split_by_rows` split (the kernel's fp32 dK/dV sums); field 7 < 0 is a
-    phase-aligned walk, not a part."""
-    return len({it[7] >> 12 for it in items if it[7] > 0})
+def split_slots(items: list, per_part: bool = False) -> int:
+    """How many fp32 dK/dV slots the parts of `split_by_rows` name: one per split key tile, or with
+    per_part one per part; 0 where nothing is split. Field 7 < 0 is a phase-aligned walk, not a
+    part."""
+    return max(((it[7] >> 20) + (((it[7] >> 10) & 1023) if per_part else 0) + 1 for it in items if it[7] > 0),
+               default=0)
 
 
 def _phase_walks(items: list, ranges: list) -> None:
@@ -410,7 +422,7 @@ def ws_phase() -> bool:
 
 
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
-               split: Optional[tuple[int, int, int]] = None, phase: bool = False) -> tuple[list, list]:
+               split: Optional[tuple] = None, phase: bool = False) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
     tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
     split: 0, a part of a key tile split by query rows (> 0, `split_by_rows`) or a phase-aligned
@@ -420,8 +432,10 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
     segment from k0 on (causal) and the children of a root. The first n_long items (at least
     1/LONG_BAND of the heaviest's work, heaviest first) are the kernel's first band: their CTAs
-    of every kv head start before any other item's; the rest follow grouped by segment. split = (hkv, group, SMs): key tiles that would
-    outlast the grid are split by query rows (`split_by_rows`, which also reorders the list).
+    of every kv head start before any other item's; the rest follow grouped by segment. split =
+    (hkv, group, SMs[, per_part]): key tiles that would outlast the grid are split by query rows
+    (`split_by_rows`, which also reorders the list; per_part: a workspace slot per part, for the
+    deterministic mode).
     phase: where nothing is split, a root's key tiles walk their children first, phase-aligned
     (`_phase_walks`; the H100 backward's DRAM traffic about halved on the published shapes,
     docs/PERF.md, fourteenth session)."""
@@ -463,7 +477,7 @@ class Work:
     With query chunks (local queries) only the ws lists are built. split: `ws_kv_work`'s."""
 
     def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple[int, int, int]] = None, phase: bool = False):
+                 split: Optional[tuple] = None, phase: bool = False):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
         rows = row_items(segments, 128, chunks)
@@ -474,7 +488,7 @@ class Work:
         self.fwd_mean_keys = sum(it[5] for it in whole) * TILE / len(whole)
         ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
-        self.ws_split_slots = split_slots(ws_items)
+        self.ws_split_slots = split_slots(ws_items, per_part=split is not None and len(split) > 3 and split[3])
         if not self.local:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
@@ -482,7 +496,7 @@ class Work:
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple[int, int, int]] = None, phase: bool = False) -> Work:
+                 split: Optional[tuple] = None, phase: bool = False) -> Work:
     """The `Work` of a layout on a device (cached on the SegmentTable)."""
     return segments.cached(("cuda_backend_work", str(device), chunks, split, phase),
                            lambda: Work(segments, device, chunks, split, phase))
@@ -524,12 +538,13 @@ def ws_fwd_narrow_tail() -> bool:
     return forced != "full"
 
 
-def ws_split(q: Tensor, k: Tensor) -> Optional[tuple[int, int, int]]:
-    """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs), or None with
-    MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA; for A/B timings)."""
+def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:
+    """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs, per_part), or
+    None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA; for A/B timings). per_part: the
+    deterministic mode's lists (a workspace slot per part, summed in part order)."""
     if os.environ.get("MEGATRON_DUALKV_WS_SPLIT", "1") == "0":
         return None
-    return k.shape[1], q.shape[1] // k.shape[1], _sm_count(q.device)
+    return k.shape[1], q.shape[1] // k.shape[1], _sm_count(q.device), bool(per_part)
 
 
 _SM_COUNTS: dict = {}
@@ -638,10 +653,11 @@ class _DualKVFunction(torch.autograd.Function):
 
 def _lists(work: Work, fwd_kind: str, bwd_kind: str) -> tuple:
     """(forward rows, backward rows, kv items, ranges, backward kernel, split slots) for the
-    kernels chosen. The ws backward's deterministic mode takes `work` built without splits and
-    phase-aligned walks (forward() builds it so) and the 128-row query tiles for its dQ kernel."""
+    kernels chosen. The ws backward's deterministic mode takes `work` built without phase-aligned
+    walks and with a workspace slot per split part (forward() builds it so) and the 128-row query
+    tiles for its dQ kernel."""
     fwd_rows = work.rows64 if fwd_kind == "mma" else work.rows128
-    if bwd_kind == "ws":  # (the op refuses split items in deterministic mode)
+    if bwd_kind == "ws":
         return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws", work.ws_split_slots
     if bwd_kind == "mma":
         return fwd_rows, work.rows64, work.kv64, work.ranges, "mma", 0
@@ -688,7 +704,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
 
     fwd_impl / bwd_impl: "ws" (warp-specialized, default where the extension has it), "sm90"
     (wgmma, synchronous) or "mma" (mma.sync kernels); deterministic=True: bitwise reproducible
-    backward (ws: dK/dV by the ws kernel, dQ by the sm90 dQ kernel). $MEGATRON_DUALKV_CUDA_FWD /
+    backward (ws: dK/dV by the ws kernel, split key tiles' parts summed in part order, dQ by the
+    ws dQ kernel). $MEGATRON_DUALKV_CUDA_FWD /
     $MEGATRON_DUALKV_CUDA_BWD set the defaults.
     q_rows: int64 [Tq], ascending packed rows of q's rows when q holds only some queries (context
     parallelism) while k, v hold all T rows; runs on the ws kernels, fast-mode backward only.
@@ -712,8 +729,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")
         chunks = cached_query_chunks(segments, q_rows)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    fast_ws_bwd = bi == "ws" and not deterministic  # splits and phase-aligned walks change the sums' order
-    split = ws_split(q, k) if fast_ws_bwd else None
+    # phase-aligned walks start where other CTAs are (order varies); a deterministic split stores
+    # each part's dK/dV in a slot of its own and sums them in part order
+    fast_ws_bwd = bi == "ws" and not deterministic
+    split = ws_split(q, k, per_part=bool(deterministic)) if bi == "ws" else None
     work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
     fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail()) if fi == "ws" else (128, False)

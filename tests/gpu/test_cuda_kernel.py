@@ -325,11 +325,12 @@ def test_wsbwd_dq_kernel_names_a_bad_kernel(monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_deterministic_wsbwd_equals_sm90(case):
+def test_deterministic_wsbwd_equals_sm90(case, monkeypatch):
     """The ws backward's deterministic mode (dK/dV by the ws kernel in list order, without dQ; dQ
-    by the sm90 dQ kernel) gives bitwise the sm90 deterministic backward's dq, dk, dv after the
-    same forward: every key tile's dK/dV add the same 16-row MMA slices in the same order. Case 4's
-    prompt key tiles, split by query rows in fast mode, are walked whole here."""
+    by the ws dQ kernel) gives bitwise the sm90 deterministic backward's dq, dk, dv after the
+    same forward where no key tile is split (MEGATRON_DUALKV_WS_SPLIT=0): every key tile's dK/dV
+    add the same 16-row MMA slices in the same order."""
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=4321 + case + random.randrange(1 << 20))
@@ -338,6 +339,34 @@ def test_deterministic_wsbwd_equals_sm90(case):
     for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
         assert torch.isfinite(ws[i]).all(), f"{name}: non-finite elements (unwritten?)"
         assert torch.equal(ws[i], ref[i]), f"{name} differs from the sm90 deterministic backward: rel {rel(ws[i], ref[i]):.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("case", [1, 3, 4])  # the layouts whose key tiles split (CASES)
+def test_wsbwd_deterministic_split(case, monkeypatch):
+    """Deterministic mode splits the key tiles fast mode splits; each part stores its dK/dV in a
+    workspace slot of its own (not zeroed: poisoned memory shows a slot left unwritten) and the
+    last part sums the slots in part order. Two runs bitwise equal (the parts finish in varying
+    order); dq bitwise the unsplit deterministic backward's (the split is dK/dV's only); dk, dv
+    within fp32-sum rounding of it and no worse against float64."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=2024 + case + random.randrange(1 << 20))
+    scale = 1.0 / math.sqrt(d)
+    work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=True))
+    assert work.ws_split_slots > 0, "the layout splits no key tile"
+    a = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    b = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.isfinite(a[i]).all(), f"{name}: non-finite elements (unwritten?)"
+        assert torch.equal(a[i], b[i]), f"{name} differs between two deterministic runs"
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    whole = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    assert torch.equal(a[2], whole[2]), "dq changed with the split"
+    ex = exact(q, k, v, dout, seg, scale)
+    for name, i in (("dk", 3), ("dv", 4)):
+        assert rel(a[i], whole[i]) < 1e-2, f"{name}: rel {rel(a[i], whole[i]):.3e} vs unsplit"
+        assert rel(a[i], ex[i]) <= rel(whole[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
 
 
 @gpu
@@ -678,10 +707,13 @@ def test_ws_kv_items_name_their_long_band(groups):
     ([(1999, [1, 700, 64, 2048]), (130, [17] * 16)], 4, 8, 14, False),  # a 2048-row response cut in parts
     ([(300, [90] * 60), (7, [50, 3])], 8, 4, 3, True),  # a context-parallel rank's rows
 ])
-def test_ws_split_by_rows(groups, hkv, group, slots, local):
+@pytest.mark.parametrize("per_part", [False, True])
+def test_ws_split_by_rows(groups, hkv, group, slots, local, per_part):
     """Key tiles whose CTA would outlast the grid become parts that walk disjoint query rows: every
     (key tile, query row) pair of the unsplit list walked by exactly one item, causal as before;
-    field 7 = (slot << 12) | parts with slots numbered from 0 and `parts` items per slot; no part
+    field 7 = (slot << 20) | (part << 10) | parts with `parts` items per split tile, numbered 0 ..
+    parts - 1, and slots numbered from 0: one per tile, or per_part (the deterministic lists) one
+    per part, a tile's parts taking consecutive slots from its own; the same parts either way; no part
     crosses a segment start and all but a tile's last have at least WS_SPLIT_MIN_ROWS rows; fields
     4 and 6 count the part's 64- and 80-row steps. After a split: one band (field 5 = 0) and the
     items grouped by the segment whose rows they walk first, so a response's own key tiles and the
@@ -689,8 +721,12 @@ def test_ws_split_by_rows(groups, hkv, group, slots, local):
     seg = make_segments(groups, device="cpu")
     chunks = random_chunks(seg.num_tokens, random.Random(5))[1] if local else None
     plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks)
-    items, ranges = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132))
-    assert cuda_backend.split_slots(items) == slots
+    items, ranges = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132, per_part))
+    fast = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132))
+    assert [it[:7] for it in items] == [it[:7] for it in fast[0]] and ranges == fast[1]
+    tiles = len({it[7] >> 20 for it in fast[0] if it[7] > 0})
+    assert tiles == slots and cuda_backend.split_slots(fast[0]) == slots
+    assert cuda_backend.split_slots(items, per_part) == (sum(it[7] > 0 for it in items) if per_part else slots)
     if not slots:
         assert items == plain and ranges == plain_ranges
         return
@@ -712,10 +748,12 @@ def test_ws_split_by_rows(groups, hkv, group, slots, local):
     split = [it for it in items if it[7]]
     per_slot = {}
     for it in split:
-        per_slot.setdefault(it[7] >> 12, []).append(it)
-    assert sorted(per_slot) == list(range(slots))
+        per_slot.setdefault(it[7] >> 20, []).append(it)
+    bases = sorted(per_slot)
+    assert bases == [sum(len(per_slot[b]) for b in bases[:i]) if per_part else i for i in range(len(bases))]
     for slot, parts in per_slot.items():
-        assert len({it[0] for it in parts}) == 1 and all(it[7] & 4095 == len(parts) >= 2 for it in parts)
+        assert len({it[0] for it in parts}) == 1 and all(it[7] & 1023 == len(parts) >= 2 for it in parts)
+        assert sorted((it[7] >> 10) & 1023 for it in parts) == list(range(len(parts)))
         rows = sorted(sum(b - a for a, b, _, _ in ranges[it[2]:it[3]]) for it in parts)
         assert all(r >= cuda_backend.WS_SPLIT_MIN_ROWS for r in rows[1:]), f"slot {slot}: parts of {rows} rows"
     assert all(it[5] == 0 for it in items)
