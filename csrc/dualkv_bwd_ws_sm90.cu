@@ -713,13 +713,13 @@ static bool make_dq_map(CUtensorMap* map, float* dq_acc, int d, int hq, int Tq, 
 
 template <typename T, int D, bool kTmaDQ, int QT>
 static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, bool delta_done) {
   using L = BwdSmem<T, D, kTmaDQ, QT>;
-  // no dq_acc: dK and dV only (the deterministic mode; its dQ is the sm90 dq kernel's), on the
+  // no dq_acc: dK and dV only (the deterministic mode; its dQ is a dQ kernel's), on the
   // TMA-dQ instance's shared-memory layout
   const bool with_dq = ka.dq_acc != nullptr;
   if (!kTmaDQ && !with_dq) return cudaErrorInvalidValue;
-  cudaError_t e = launch_delta(da, dtype, D, stream);
+  cudaError_t e = delta_done ? cudaSuccess : launch_delta(da, dtype, D, stream);
   if (e != cudaSuccess) return e;
   // MEGATRON_DUALKV_WS_BWD_TURNS=0: consumers without turns (an A/B switch, like the forward's
   // MEGATRON_DUALKV_WS_PINGPONG)
@@ -743,14 +743,14 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
 
 template <typename T, int D>
 static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, bool delta_done) {
   const int mode = ws_dq_mode_from_env();
   const int qt = ws_bwd_query_tile_from_env();
   if (mode < 0 || qt < 0) return cudaErrorInvalidValue;  // the op checks the variables first, with a clear message
-  if (mode == 0 && ka.dq_acc != nullptr) return bwd_ws_t<T, D, false, 64>(da, ka, dtype, dt, stream);
+  if (mode == 0 && ka.dq_acc != nullptr) return bwd_ws_t<T, D, false, 64>(da, ka, dtype, dt, stream, delta_done);
   if constexpr (D == 128)
-    if (qt == kWideQT) return bwd_ws_t<T, D, true, kWideQT>(da, ka, dtype, dt, stream);
-  return bwd_ws_t<T, D, true, 64>(da, ka, dtype, dt, stream);
+    if (qt == kWideQT) return bwd_ws_t<T, D, true, kWideQT>(da, ka, dtype, dt, stream, delta_done);
+  return bwd_ws_t<T, D, true, 64>(da, ka, dtype, dt, stream, delta_done);
 }
 
 }  // namespace sm90ws
@@ -773,15 +773,13 @@ int ws_bwd_query_tile_from_env() {
   return -1;
 }
 
-cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream) {
-  if (dtype == kBF16 && d == 128)
-    return sm90ws::bwd_ws_mode<__nv_bfloat16, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
-  if (dtype == kBF16 && d == 64)
-    return sm90ws::bwd_ws_mode<__nv_bfloat16, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
-  if (dtype == kFP16 && d == 128)
-    return sm90ws::bwd_ws_mode<__half, 128>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
-  if (dtype == kFP16 && d == 64)
-    return sm90ws::bwd_ws_mode<__half, 64>(da, ka, dtype, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream,
+                               bool delta_done) {
+  constexpr auto bf = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, hf = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  if (dtype == kBF16 && d == 128) return sm90ws::bwd_ws_mode<__nv_bfloat16, 128>(da, ka, dtype, bf, stream, delta_done);
+  if (dtype == kBF16 && d == 64) return sm90ws::bwd_ws_mode<__nv_bfloat16, 64>(da, ka, dtype, bf, stream, delta_done);
+  if (dtype == kFP16 && d == 128) return sm90ws::bwd_ws_mode<__half, 128>(da, ka, dtype, hf, stream, delta_done);
+  if (dtype == kFP16 && d == 64) return sm90ws::bwd_ws_mode<__half, 64>(da, ka, dtype, hf, stream, delta_done);
   return cudaErrorInvalidValue;
 }
 

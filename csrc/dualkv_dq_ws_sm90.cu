@@ -280,6 +280,14 @@ int dq_kernel_from_env() {
   return -1;
 }
 
+int dq_side_stream_from_env() {
+  const char* m = std::getenv("MEGATRON_DUALKV_DQ_STREAM");
+  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "auto") == 0) return 2;
+  if (std::strcmp(m, "1") == 0) return 1;
+  if (std::strcmp(m, "0") == 0) return 0;
+  return -1;
+}
+
 cudaError_t launch_dq_ws_sm90(const DqArgs& a, int dtype, int d, cudaStream_t stream) {
   constexpr auto bf = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, hf = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   if (dtype == kBF16 && d == 128) return dqws::dq_ws_t<__nv_bfloat16, 128>(a, bf, stream);

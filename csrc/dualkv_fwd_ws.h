@@ -25,7 +25,9 @@ namespace mdkv {
 // caller). ka.dq_acc null: dK and dV only, each key tile's in list order (no phase-aligned walks;
 // split parts stored to a slot each, summed in part order), bitwise reproducible; the deterministic mode then runs
 // launch_dq_ws_sm90 (or launch_dq_sm90). kv items of 128-row key tiles.
-cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream);
+// delta_done: delta was computed already (launch_delta), the dK/dV kernel alone is launched.
+cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream,
+                               bool delta_done = false);
 // How that kernel adds dQ, from MEGATRON_DUALKV_WS_DQ (read at every launch): 1 = "tma" (unset or
 // empty too: one TMA reduce-add per 32-column half of a query tile), 0 = "atomic" (per-thread
 // float2 atomics), -1 = any other value (launch_bwd_ws_sm90 then returns cudaErrorInvalidValue).

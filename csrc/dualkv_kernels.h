@@ -91,6 +91,10 @@ cudaError_t launch_dq_ws_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t s
 // Which dQ kernel the ws backward's deterministic mode runs, from MEGATRON_DUALKV_DQ_KERNEL (read at
 // every launch): 1 = "ws" (unset or empty too), 0 = "sm90", -1 = any other value
 int dq_kernel_from_env();
+// Whether the ws backward's deterministic mode runs its dQ kernel on a second stream beside the
+// dK/dV kernel (both need only delta), from MEGATRON_DUALKV_DQ_STREAM: 2 = "auto" (unset or empty
+// too: where the kv list splits key tiles), 1 = always, 0 = never, -1 = any other value
+int dq_side_stream_from_env();
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                        cudaStream_t stream);
 

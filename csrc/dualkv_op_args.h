@@ -176,6 +176,11 @@ inline void check_dq_kernel_env() {
               std::getenv("MEGATRON_DUALKV_DQ_KERNEL"), "'");
 }
 
+inline void check_dq_stream_env() {
+  TORCH_CHECK(dq_side_stream_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_DQ_STREAM must be 'auto', '0' or '1', got '",
+              std::getenv("MEGATRON_DUALKV_DQ_STREAM"), "'");
+}
+
 inline void check_launch(cudaError_t err, const char* op, bool tma) {
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv ", op, " launch failed: ", cudaGetErrorString(err),
               tma && err == cudaErrorInvalidResourceHandle ? " (TMA tensor map could not be encoded)" : "");

@@ -1,6 +1,7 @@
 """Where the milliseconds of one DualKV forward + backward go, kernel by kernel (torch.profiler).
 
     python tools/kernel_breakdown.py 64x256x1024,16x512x1024 [--reps 5] [--backend cuda]
+    python tools/kernel_breakdown.py 28x16384x2048 --backend cuda-deterministic   # deterministic=True
 
 For each shape (one group of N responses of R tokens behind a prompt of P; bf16, Hq=32, Hkv=8,
 d=128): two untimed runs (extension load, work lists, compiles), then --reps profiled runs of
@@ -28,8 +29,8 @@ def short_name(name: str, width: int = 70) -> str:
 def run_once(backend: str, seg: SegmentTable, t: int) -> None:
     q, k, v = (randn(t, h, D).requires_grad_() for h in (HQ, HKV, HKV))
     do = randn(t, HQ, D)
-    if backend == "cuda":
-        out = cuda_backend.attention(q, k, v, seg, D ** -0.5)
+    if backend.startswith("cuda"):
+        out = cuda_backend.attention(q, k, v, seg, D ** -0.5, deterministic=backend == "cuda-deterministic")
     else:
         out = flex_backend.attention(q, k, v, seg, D ** -0.5, kernel={"flex-flash": "FLASH", "flex-triton": "TRITON"}[backend])
     out.backward(do)
@@ -65,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shapes", help="comma-separated NxPxR")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--backend", default="cuda", choices=("cuda", "flex-flash", "flex-triton"))
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "cuda-deterministic", "flex-flash", "flex-triton"))
     args = ap.parse_args()
     for shape in parse_shapes(args.shapes):
         breakdown(shape, args.backend, args.reps)

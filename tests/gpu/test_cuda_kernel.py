@@ -314,6 +314,28 @@ def test_wsbwd_dq_kernels_give_the_same_bits(case, monkeypatch):
 
 
 @gpu
+def test_wsbwd_dq_side_stream(monkeypatch):
+    """The deterministic mode's dQ kernel on a second stream beside the dK/dV kernel (the default
+    where key tiles split, as in case 4, or MEGATRON_DUALKV_DQ_STREAM=1) or after it on one stream
+    (MEGATRON_DUALKV_DQ_STREAM=0): bitwise the same gradients (nothing of one kernel is read by the
+    other); any value but auto, 0 and 1 is an error naming the variable."""
+    groups, pad, hq, hkv, d, dtype = CASES[4]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=31 + random.randrange(1 << 20))
+    two = run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "1")
+    forced = run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "0")
+    one = run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.equal(two[i], one[i]), f"{name} differs with the dQ kernel on the current stream"
+        assert torch.equal(two[i], forced[i]), f"{name} differs with MEGATRON_DUALKV_DQ_STREAM=1"
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "yes")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DQ_STREAM must be"):
+        run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
+
+
+@gpu
 def test_wsbwd_dq_kernel_names_a_bad_kernel(monkeypatch):
     """MEGATRON_DUALKV_DQ_KERNEL other than ws or sm90 is an error naming the variable."""
     seg = make_segments([(100, [30, 7])])
