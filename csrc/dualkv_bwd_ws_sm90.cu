@@ -1,7 +1,8 @@
 // DualKV backward dK/dV + dQ for Hopper (sm_90a), warp-specialized ("ws"): the default backward.
 // Fast mode adds dQ as described below. kDQ = false (deterministic=True, no dq_acc): dK and dV only,
 // every walk in list order (no phase-aligned start), a split key tile's parts summed in part order
-// (epilogue), so they are bitwise reproducible; a dQ kernel then computes dQ (dualkv_ws_ops.cpp).
+// (epilogue), so they are bitwise reproducible; its steps overlap P^T with the previous step's
+// dV / dK MMAs (kOverlap); a dQ kernel then computes dQ (dualkv_ws_ops.cpp).
 //
 // Same math as dkdv_kernel<..., kAtomicDQ = true> in dualkv_bwd_sm90.cu, and the same per-CTA
 // accumulation order of dK/dV where no walk is phase-aligned or split (field 7 below) (one CTA
@@ -168,12 +169,18 @@ __device__ __forceinline__ void store_ds_qk(T* panel, int row0, int lane, const 
   }
 }
 
-template <typename T, int D, bool kTmaDQ, bool kTurns, int QT, bool kDQ>
+// kOverlap (deterministic dK/dV only, 64-row steps; the default there): each consumer issues S^T
+// of step i and dV, dK of step i - 1 back to back and computes P^T of step i under the dV / dK
+// MMAs (part of the forward's intra-warpgroup overlap; see overlapped_walk below)
+template <typename T, int D, bool kTmaDQ, bool kTurns, int QT, bool kDQ, bool kOverlap = false>
 __global__ void __launch_bounds__(kThreadsB, 1)
     dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                    const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                    const __grid_constant__ CUtensorMap tm_dq, DkvArgs a) {
   static_assert(QT == 64 || (QT == kWideQT && D == 128 && kTmaDQ), "wide query steps: head dim 128, dQ by TMA");
+  // (80-row steps: S^T, dP^T and P^T, dS^T grow to 40 registers each; that instance spilled 48
+  // bytes and ran 12-30 % slower than 64-row steps, docs/PERF.md, twenty-third session)
+  static_assert(!kOverlap || (!kDQ && QT == 64), "the overlapped walk computes dK/dV only, in 64-row steps");
   constexpr bool kWide = QT == kWideQT;
   using L = BwdSmem<T, D, kTmaDQ, QT>;
   constexpr int kStagesB = L::kStagesB;
@@ -624,12 +631,122 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     reduce_dq(it);
   };
 
+  // kOverlap: S^T_i and dV, dK of step i - 1 (group B) in one issue section; the consumer waits
+  // for S^T_i only and computes P^T_i (the exponentials) while B runs, then issues dP^T_i and
+  // computes dS^T_i. The whole of A (S^T and dP^T) beside B, as the forward does, needs dK, dV
+  // (128) + P^T, dS^T packed (32) + S^T, dP^T (64) live: ptxas spilled 88 bytes and serialized
+  // the wgmmas at head dim 128 (C7512). Here 192 at most. Stage i - 1 is released once B_{i-1}
+  // completed. Sections: A_0, then per step S_i + B_{i-1} and dP_i, then B_{n-1}: 2n per
+  // consumer, consumer 1's last passing nothing on.
+  auto overlapped_walk = [&]() {
+    float s[QT / 2], dp[QT / 2];
+    uint32_t pa[QT / 16][4], da[QT / 16][4];
+    auto issue_s = [&](int it) { wgmma_rows_x_rows<T, D, kKVB, QT>(s, sK, cw * 64, sQ + stage(it) * QT * D); };
+    auto issue_dp = [&](int it) { wgmma_rows_x_rows<T, D, kKVB, QT>(dp, sV, cw * 64, sdO + stage(it) * QT * D); };
+    auto issue_b = [&](int it) {
+      wgmma_regs_x_tile<T, D, QT>(dv, pa, sdO + stage(it) * QT * D);
+      wgmma_regs_x_tile<T, D, QT>(dk, da, sQ + stage(it) * QT * D);
+    };
+    // P^T of step it in place of S^T, then dS^T in place of dP^T: the arithmetic of step's probs
+    auto probs_p = [&](int it) {
+      const float* cL = sL + stage(it) * QT;
+      const int4 td = sTd[it % kTdRing];
+      const int q0 = td.x, qend = td.y;
+      const bool causal = td.w != 0;
+      auto run = [&](auto masked) {
+#pragma unroll
+        for (int j = 0; j < QT / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = j * 8 + (lane & 3) * 2 + (e & 1);
+            float p = exp2f(fmaf(s[4 * j + e], sl2, cL[c]));
+            if constexpr (decltype(masked)::value) {
+              const int qrow = q0 + c;
+              const int krow = krow_a + (e >> 1) * 8;
+              if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
+            }
+            s[4 * j + e] = p;
+          }
+      };
+      if ((q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short)
+        run(std::true_type{});
+      else
+        run(std::false_type{});
+    };
+    auto probs_ds = [&](int it) {
+      const float* cD = sDl + stage(it) * QT;
+#pragma unroll
+      for (int j = 0; j < QT / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - cD[j * 8 + (lane & 3) * 2 + (e & 1)]);
+    };
+    auto fence_b = [&]() {
+      reg_fence(dv);
+      reg_fence(dk);
+      reg_fence_u(pa);
+      reg_fence_u(da);
+    };
+    if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
+    mbar_wait(q_full(0), 0);
+    turn_take();
+    wg_fence();
+    issue_s(0);
+    issue_dp(0);
+    wg_commit();
+    turn_pass(false);
+    wg_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+    probs_p(0);
+    probs_ds(0);
+    for (int it = 1; it < n_iter; ++it) {
+      pack_frags<T, QT>(pa, s, da, dp);  // step it - 1
+      mbar_wait(q_full(stage(it)), parity(it));
+      turn_take();
+      fence_b();
+      wg_fence();
+      issue_s(it);
+      wg_commit();
+      issue_b(it - 1);
+      wg_commit();
+      turn_pass(false);
+      wg_wait<1>();  // S^T_it complete, B_{it-1} running
+      reg_fence(s);
+      probs_p(it);
+      wg_wait<0>();
+      fence_b();
+      if (lane == 0) mbar_arrive(empty(stage(it - 1)));
+      turn_take();
+      wg_fence();
+      issue_dp(it);
+      wg_commit();
+      turn_pass(false);
+      wg_wait<0>();
+      reg_fence(dp);
+      probs_ds(it);
+    }
+    pack_frags<T, QT>(pa, s, da, dp);
+    turn_take();
+    fence_b();
+    wg_fence();
+    issue_b(n_iter - 1);
+    wg_commit();
+    turn_pass(true);
+    wg_wait<0>();
+    fence_b();
+    if (lane == 0) mbar_arrive(empty(stage(n_iter - 1)));
+  };
+
   mbar_wait(kv_full, 0);
   if (n_iter > 0) {
-    if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
-    step(std::false_type{}, 0);
-    for (int it = 1; it < n_iter; ++it) step(std::true_type{}, it);
-    if constexpr (kDQ) last_dq(n_iter - 1);
+    if constexpr (kOverlap) {
+      overlapped_walk();
+    } else {
+      if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
+      step(std::false_type{}, 0);
+      for (int it = 1; it < n_iter; ++it) step(std::true_type{}, it);
+      if constexpr (kDQ) last_dq(n_iter - 1);
+    }
   }
   if (dq_issuer) bulk_wait0();  // the last reduces have read the staging tile and written dq_acc
 
@@ -711,6 +828,17 @@ static bool make_dq_map(CUtensorMap* map, float* dq_acc, int d, int hq, int Tq, 
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+}  // namespace sm90ws
+
+int det_overlap_from_env() {
+  const char* m = std::getenv("MEGATRON_DUALKV_DET_OVERLAP");
+  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "1") == 0) return 1;
+  if (std::strcmp(m, "0") == 0) return 0;
+  return -1;
+}
+
+namespace sm90ws {
+
 template <typename T, int D, bool kTmaDQ, int QT>
 static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, CUtensorMapDataType dt,
                             cudaStream_t stream, bool delta_done) {
@@ -726,8 +854,11 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
   const char* turns = std::getenv("MEGATRON_DUALKV_WS_BWD_TURNS");
   auto k = (turns && std::atoi(turns) == 0) ? dkdv_ws_kernel<T, D, kTmaDQ, false, QT, true>
                                             : dkdv_ws_kernel<T, D, kTmaDQ, true, QT, true>;
-  if constexpr (kTmaDQ)
+  if constexpr (kTmaDQ) {
     if (!with_dq) k = dkdv_ws_kernel<T, D, true, true, QT, false>;
+    if constexpr (QT == 64)
+      if (!with_dq && det_overlap_from_env() == 1) k = dkdv_ws_kernel<T, D, true, true, 64, false, true>;
+  }
   e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (ka.num_items == 0 || ka.T == 0 || ka.Tq == 0) return cudaSuccess;
@@ -746,8 +877,12 @@ static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype
                                cudaStream_t stream, bool delta_done) {
   const int mode = ws_dq_mode_from_env();
   const int qt = ws_bwd_query_tile_from_env();
-  if (mode < 0 || qt < 0) return cudaErrorInvalidValue;  // the op checks the variables first, with a clear message
+  const int overlap = ka.dq_acc == nullptr ? det_overlap_from_env() : 0;
+  // the op checks the variables first, with a clear message
+  if (mode < 0 || qt < 0 || overlap < 0) return cudaErrorInvalidValue;
   if (mode == 0 && ka.dq_acc != nullptr) return bwd_ws_t<T, D, false, 64>(da, ka, dtype, dt, stream, delta_done);
+  // the overlapped deterministic dK/dV kernel steps by 64 query rows (registers)
+  if (overlap == 1) return bwd_ws_t<T, D, true, 64>(da, ka, dtype, dt, stream, delta_done);
   if constexpr (D == 128)
     if (qt == kWideQT) return bwd_ws_t<T, D, true, kWideQT>(da, ka, dtype, dt, stream, delta_done);
   return bwd_ws_t<T, D, true, 64>(da, ka, dtype, dt, stream, delta_done);

@@ -36,5 +36,9 @@ int ws_dq_mode_from_env();
 // 80 (unset or empty too), 64, or -1 for any other value (launch_bwd_ws_sm90 then returns
 // cudaErrorInvalidValue). Head dim 64 and the atomic dQ always step by 64 rows.
 int ws_bwd_query_tile_from_env();
+// The deterministic dK/dV kernel with the intra-warpgroup overlap (its kOverlap instance, 64-row
+// steps), from MEGATRON_DUALKV_DET_OVERLAP: 1 (unset or empty too), 0 = without (the default
+// query tile), -1 = any other value (launch_bwd_ws_sm90 then returns cudaErrorInvalidValue)
+int det_overlap_from_env();
 
 }  // namespace mdkv

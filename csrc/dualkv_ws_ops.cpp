@@ -84,6 +84,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
     check_dq_kernel_env();
     check_dq_stream_env();
+    TORCH_CHECK(mdkv::det_overlap_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_DET_OVERLAP must be '0' or '1', got '",
+                std::getenv("MEGATRON_DUALKV_DET_OVERLAP"), "'");
     if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
   }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(in.dout.data_ptr()) % 16 == 0,

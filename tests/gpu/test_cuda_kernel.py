@@ -336,6 +336,28 @@ def test_wsbwd_dq_side_stream(monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("case", [0, 2])
+def test_wsbwd_deterministic_overlap(case, monkeypatch):
+    """The deterministic dK/dV kernel with the intra-warpgroup overlap (default; 64-row steps) and
+    without it (MEGATRON_DUALKV_DET_OVERLAP=0; 80-row steps at head dim 128) add the same 16-row
+    MMA slices in the same order: bitwise equal dk, dv (and dq); any value but 0 and 1 is an error
+    naming the variable."""
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=57 + case + random.randrange(1 << 20))
+    ovl = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
+    monkeypatch.setenv("MEGATRON_DUALKV_DET_OVERLAP", "0")
+    plain = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.isfinite(ovl[i]).all(), f"{name}: non-finite elements (unwritten?)"
+        assert torch.equal(ovl[i], plain[i]), f"{name} differs with the overlap: rel {rel(ovl[i], plain[i]):.3e}"
+    monkeypatch.setenv("MEGATRON_DUALKV_DET_OVERLAP", "on")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DET_OVERLAP must be"):
+        run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
+
+
+@gpu
 def test_wsbwd_dq_kernel_names_a_bad_kernel(monkeypatch):
     """MEGATRON_DUALKV_DQ_KERNEL other than ws or sm90 is an error naming the variable."""
     seg = make_segments([(100, [30, 7])])
