@@ -80,6 +80,7 @@ cudaError_t launch_dq_from_acc(const float* dq_acc, void* dq, long n, float scal
 cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                             cudaStream_t stream);
 // its deterministic dQ kernel alone (delta already computed): the ws backward's deterministic mode
+// with MEGATRON_DUALKV_DQ_KERNEL=sm90 (launch_dq_ws_sm90 otherwise)
 cudaError_t launch_dq_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream);
 // Key rows per step of that dQ kernel, from MEGATRON_DUALKV_DQ_KTILE (read at every launch): 128
 // (unset or empty too), 64, or -1 for any other value (the launch then returns cudaErrorInvalidValue)

@@ -18,8 +18,11 @@
 // tiles) carry the local row of their first query in field 6; the backward's kv items and
 // ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work; split_slots is the
 // number of fp32 dK/dV slots the split key tiles' parts name (cuda_backend.split_slots: one per
-// split tile in fast mode, one per part in deterministic mode; the workspace is allocated here). The work lists come from megatron_dualkv/ops/cuda_backend.py, which also
-// registers the fake implementations.
+// split tile in fast mode, one per part in deterministic mode; the workspace is allocated here).
+// It must be that function's count for this list and mode: the kernel indexes the workspace by
+// the parts' field 7 without a bound check.
+// The work lists come from megatron_dualkv/ops/cuda_backend.py, which also registers the fake
+// implementations.
 
 #include <torch/extension.h>
 #include <torch/library.h>

@@ -187,7 +187,7 @@ IMPLS = {
     "wsbwd-qtile-64": ("sm90", "ws"),     # 64-row query steps at head dim 128 too (default there: 80)
     "wsbwd-no-split": ("sm90", "ws"),     # no key tile split by query rows (MEGATRON_DUALKV_WS_SPLIT=0)
     "wsbwd-no-phase": ("sm90", "ws"),     # every walk from its first step, own rows first (MEGATRON_DUALKV_WS_PHASE=0)
-    "wsbwd-deterministic": ("sm90", "ws"),  # deterministic=True: dK/dV without dQ in list order, the sm90 dQ kernel
+    "wsbwd-deterministic": ("sm90", "ws"),  # deterministic=True: dK/dV without dQ in list order, the ws dQ kernel
     "wsfwd-wsbwd": ("ws", "ws"),
 }
 
