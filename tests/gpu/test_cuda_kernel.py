@@ -399,7 +399,11 @@ def test_wsbwd_deterministic_split(case, monkeypatch):
     scale = 1.0 / math.sqrt(d)
     work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=True))
     assert work.ws_split_slots > 0, "the layout splits no key tile"
+    asked = []  # the split arguments forward() builds its lists with
+    real_ws_split = cuda_backend.ws_split
+    monkeypatch.setattr(cuda_backend, "ws_split", lambda *a_, **kw: asked.append(kw) or real_ws_split(*a_, **kw))
     a = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    assert asked and all(kw.get("per_part") for kw in asked), f"deterministic forward() asked for {asked}"
     b = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
     for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
         assert torch.isfinite(a[i]).all(), f"{name}: non-finite elements (unwritten?)"
