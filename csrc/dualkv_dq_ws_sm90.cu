@@ -1,5 +1,5 @@
 // DualKV dQ for Hopper (sm_90a), warp-specialized: the deterministic backward's dQ kernel
-// (launch_dq_ws_sm90; the ws backward's dK/dV kernel runs first without dQ).
+// (launch_dq_ws_sm90; the ws backward's dK/dV kernel, without dQ, runs before it or beside it on a second stream).
 //
 // Same math, items and accumulation order as dq_kernel in dualkv_bwd_sm90.cu (one CTA per 128-row
 // query tile and query head; the parent's key tiles, then the segment's own, each adding the same
