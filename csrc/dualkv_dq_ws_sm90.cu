@@ -26,6 +26,7 @@
 //     arrivals of a phase belong to one tile.
 // Named barriers 1, 2: consumer 1 arrives once up front, then each passes the turn after each of
 // its n issue sections except consumer 1 after its last (equal sync and arrive counts).
+// csrc/ws_pipeline_model.py (run_dq) replays this protocol under random interleavings.
 
 #include <cuda.h>
 #include <cudaTypedefs.h>

@@ -1,5 +1,5 @@
-"""Host model of the synchronization protocols of csrc/dualkv_fwd_ws_sm90.cu and
-csrc/dualkv_bwd_ws_sm90.cu (no GPU needed).
+"""Host model of the synchronization protocols of csrc/dualkv_fwd_ws_sm90.cu,
+csrc/dualkv_bwd_ws_sm90.cu and csrc/dualkv_dq_ws_sm90.cu (no GPU needed).
 
     python csrc/ws_pipeline_model.py        (about 15 s; prints the caught mutations, then "ok")
 
@@ -345,6 +345,245 @@ def check_bwd_mutations(seeds=300):
         print(f"mutation caught: {m} ({what}): {caught}")
 
 
+def _groups_run(agents, tma, mma, readers, land, rnd, limit=200000):
+    """Drive the agents under random interleavings: TMA completions (land(kind, stage, tile)) and
+    completions of each warpgroup's oldest wgmma group (mma[w]: groups of (kind, stage, tile)
+    reads, retired in order) at random later times. readers[kind][stage]: reads in flight."""
+    live, steps = set(agents), 0
+    while live or tma or any(mma.values()):
+        steps += 1
+        assert steps < limit, "deadlock"
+        choice = rnd.random()
+        if tma and choice < 0.2:
+            land(*tma.pop(rnd.randrange(len(tma))))
+            continue
+        w = rnd.choice(sorted(mma))
+        if mma[w] and choice < 0.4:
+            for kind, st, t in mma[w].pop(0):
+                readers[kind][st].remove((w, t))
+            continue
+        if not live:
+            continue
+        a = rnd.choice(sorted(live))
+        try:
+            next(agents[a])
+        except StopIteration:
+            live.discard(a)
+    return steps
+
+
+DQ_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make run_dq fail)
+    "k_release_after_s": "K_t released after S_t (as the forward does) although dQ reads it one step later",
+    "k_release_at_issue": "K_{t-1} released as its dQ group is issued, not when it completed",
+}
+
+
+def run_dq(n, seed, stages=4, mutation=None):
+    """The ws dQ kernel (csrc/dualkv_dq_ws_sm90.cu): the forward's ring and turns, with S_t and dP_t
+    (K_t and V_t) in a consumer's first group of step t and dQ += dS_{t-1} K_{t-1} in its second;
+    V_t is released when the first group completed, K_t when its dQ group did (top of step t + 2,
+    or after the loop). Checked: every MMA reads the stage holding its tile, no TMA lands in a
+    stage still read, one mbarrier phase never mixes two tiles' arrivals, turns balanced, no
+    deadlock."""
+    assert mutation is None or mutation in DQ_MUTATIONS
+    rnd = random.Random(seed)
+    q_full = MBar(1)
+    kf, vf = [MBar(1) for _ in range(stages)], [MBar(1) for _ in range(stages)]
+    ke, ve = [MBar(2) for _ in range(stages)], [MBar(2) for _ in range(stages)]  # one agent per consumer
+    held = {"K": [None] * stages, "V": [None] * stages}
+    readers = {"K": [[] for _ in range(stages)], "V": [[] for _ in range(stages)]}
+    released = {"K": [set() for _ in range(stages)], "V": [set() for _ in range(stages)]}  # tiles per phase
+    tma, mma = [], {0: [], 1: []}
+    named = [0, 0]
+
+    def producer():
+        q_full.arrive(tx=1); tma.append(("Q", 0, 0, q_full))
+        for t in range(n):
+            st, par = t % stages, (t // stages) & 1
+            if t >= stages:
+                while not ke[st].done(par ^ 1): yield
+            kf[st].arrive(tx=1); tma.append(("K", st, t, kf[st]))
+            if t >= stages:
+                while not ve[st].done(par ^ 1): yield
+            vf[st].arrive(tx=1); tma.append(("V", st, t, vf[st]))
+
+    def land(kind, st, t, bar):
+        if kind != "Q":
+            assert not readers[kind][st], f"TMA {kind}{t} lands in stage {st} read by {readers[kind][st]}"
+            held[kind][st] = t
+        bar.complete_tx(1)
+
+    def group(w, reads):
+        for kind, t in reads:
+            st = t % stages
+            assert held[kind][st] == t, f"WG{w} reads {kind}{t} from stage {st} holding {held[kind][st]}"
+            readers[kind][st].append((w, t))
+        mma[w].append([(kind, t % stages, t) for kind, t in reads])
+
+    def release(kind, t):
+        st = t % stages
+        phase = (ke if kind == "K" else ve)[st].phase
+        released[kind][st].add((phase, t))
+        assert len({tt for ph, tt in released[kind][st] if ph == phase}) == 1, f"one {kind} phase mixes tiles"
+        (ke if kind == "K" else ve)[st].arrive()
+
+    def wait_groups(w, keep):
+        while len(mma[w]) > keep: yield
+
+    def nsync(w):
+        while named[w] == 0: yield
+        named[w] -= 1
+
+    def narrive(w): named[w ^ 1] += 1
+
+    def full(bar, t):
+        while not bar[t % stages].done((t // stages) & 1): yield
+
+    def consumer(w):
+        while not q_full.done(0): yield
+        if w == 1: narrive(1)
+        yield from full(kf, 0); yield from full(vf, 0)
+        yield from nsync(w)
+        group(w, [("K", 0), ("V", 0)])
+        if w == 0 or n > 1: narrive(w)
+        yield from wait_groups(w, 0)
+        release("V", 0)
+        if mutation == "k_release_after_s": release("K", 0)
+        late_k = mutation is None  # K released when its dQ group completed (the kernel)
+        for t in range(1, n):
+            yield from wait_groups(w, 0)
+            if t >= 2 and late_k: release("K", t - 2)
+            yield from full(kf, t); yield from full(vf, t)
+            yield from nsync(w)
+            group(w, [("K", t), ("V", t)]); group(w, [("K", t - 1)])
+            if mutation == "k_release_at_issue": release("K", t - 1)
+            if w == 0 or t + 1 < n: narrive(w)
+            yield from wait_groups(w, 1)
+            release("V", t)
+            if mutation == "k_release_after_s": release("K", t)
+        yield from wait_groups(w, 0)
+        if n >= 2 and late_k: release("K", n - 2)
+        group(w, [("K", n - 1)])
+        if mutation == "k_release_at_issue": release("K", n - 1)
+        yield from wait_groups(w, 0)
+        if late_k: release("K", n - 1)
+
+    steps = _groups_run({"P": producer(), "C0": consumer(0), "C1": consumer(1)}, tma, mma, readers, land, rnd)
+    assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
+    return steps
+
+
+DET_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make run_det_overlap fail)
+    "release_before_b": "stage i - 1 released before dV, dK of step i - 1 completed",
+    "release_current": "stage i released (instead of i - 1) after B_{i-1}",
+    "no_dp_take": "dP^T_i issued without taking the turn, the turn still passed on",
+}
+
+
+def run_det_overlap(n, seed, mutation=None):
+    """The deterministic dK/dV kernel's overlapped walk (csrc/dualkv_bwd_ws_sm90.cu, kOverlap,
+    kDQ = false): a Q/dO ring of S stages with tile descriptors in a ring of 8; per consumer the
+    sections A_0 = (S^T_0, dP^T_0); then per step i: (S^T_i) and (dV, dK of i - 1) as two groups
+    in one section, P^T_i after the first completes, stage i - 1 released when the second did,
+    then a section with dP^T_i; finally (dV, dK of n - 1). Checked: every MMA and descriptor read
+    sees step i's data, no TMA lands in a stage still read, turns balanced, no deadlock."""
+    assert mutation is None or mutation in DET_MUTATIONS
+    rnd = random.Random(seed)
+    ring = 8
+    kv_full = MBar(1)
+    qf = [MBar(2) for _ in range(S)]
+    em = [MBar(2) for _ in range(S)]  # one agent per consumer
+    held, td = [None] * S, [None] * ring
+    readers = {"Q": [[] for _ in range(S)]}
+    tma, mma = [], {0: [], 1: []}
+    turn = [NamedBar(2), NamedBar(2)]  # turn[w]: w syncs, the other arrives
+
+    def producer():
+        kv_full.arrive(tx=1); tma.append(("KV", None, None, kv_full))
+        for i in range(n):
+            st = i % S
+            if i >= S:
+                while not em[st].done(((i // S) & 1) ^ 1): yield
+            td[i % ring] = i
+            qf[st].arrive(tx=1); tma.append(("Q", st, i, qf[st]))
+            yield
+            qf[st].arrive()
+
+    def land(kind, st, i, bar):
+        if kind == "Q":
+            assert not readers["Q"][st], f"TMA Q/dO{i} lands in stage {st} read by {readers['Q'][st]}"
+            held[st] = i
+        bar.complete_tx(1)
+
+    def group(w, steps_read):
+        for i in steps_read:
+            assert held[i % S] == i, f"WG{w} reads step {i} from stage {i % S} holding {held[i % S]}"
+            readers["Q"][i % S].append((w, i))
+        mma[w].append([("Q", i % S, i) for i in steps_read])
+
+    def take(w):
+        yield from turn[w].sync(w)
+
+    def give(w, last=False):
+        if not (last and w == 1): turn[w ^ 1].arrive(w)
+
+    def wait_groups(w, keep):
+        while len(mma[w]) > keep: yield
+
+    def probs(w, i):
+        assert td[i % ring] == i, f"WG{w} reads the descriptor of step {i}, slot holds {td[i % ring]}"
+
+    def full(i):
+        while not qf[i % S].done((i // S) & 1): yield
+
+    def consumer(w):
+        while not kv_full.done(0): yield
+        if w == 1: turn[0].arrive(1)
+        yield from full(0)
+        yield from take(w); group(w, [0]); give(w)
+        yield from wait_groups(w, 0)
+        probs(w, 0)
+        for i in range(1, n):
+            yield from full(i)
+            yield from take(w)
+            group(w, [i]); group(w, [i - 1])
+            give(w)
+            yield from wait_groups(w, 1)
+            probs(w, i)
+            if mutation == "release_before_b": em[(i - 1) % S].arrive()
+            yield from wait_groups(w, 0)
+            if mutation in (None, "no_dp_take"): em[(i - 1) % S].arrive()
+            if mutation == "release_current": em[i % S].arrive()
+            if mutation != "no_dp_take": yield from take(w)
+            group(w, [i])
+            give(w)
+            yield from wait_groups(w, 0)
+        yield from take(w); group(w, [n - 1]); give(w, last=True)
+        yield from wait_groups(w, 0)
+        em[(n - 1) % S].arrive()
+
+    steps = _groups_run({"P": producer(), "C0": consumer(0), "C1": consumer(1)}, tma, mma, readers, land, rnd)
+    for t in turn:
+        assert not t.arrived, f"named barrier left with arrivals {t.arrived}"
+    return steps
+
+
+def check_mutations(run_fn, mutations, ns=(1, 2, 3, 5, 9), seeds=200):
+    """Each mutation must fail run_fn(n, seed, mutation=...) on some n and seed."""
+    for m, what in mutations.items():
+        caught = None
+        for seed in range(seeds):
+            for n in ns:
+                try:
+                    run_fn(n, seed, mutation=m)
+                except AssertionError as e:
+                    caught = f"{e} (n={n}, seed={seed})"
+                    break
+            if caught: break
+        assert caught, f"mutation {m} ({what}) not caught"
+        print(f"mutation caught: {m} ({what}): {caught}")
+
+
 if __name__ == "__main__":
     for n in list(range(1, 12)) + [40]:
         for seed in range(300):
@@ -353,5 +592,9 @@ if __name__ == "__main__":
                 for turns in (False, True):
                     run_bwd(n, seed, d128=True, tma_dq=tma_dq, turns=turns)
                     run_bwd(n, seed, d128=False, tma_dq=tma_dq, turns=turns)
+            run_dq(n, seed)
+            run_det_overlap(n, seed)
     check_bwd_mutations()
+    check_mutations(run_dq, DQ_MUTATIONS)
+    check_mutations(run_det_overlap, DET_MUTATIONS)
     print("ok")

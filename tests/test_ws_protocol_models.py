@@ -1,0 +1,50 @@
+"""The warp-specialized kernels' synchronization protocols, replayed on the host under random
+interleavings (csrc/ws_pipeline_model.py): the forward, the backward (both dQ modes), the
+deterministic dK/dV kernel's overlapped walk and the ws dQ kernel. Each run checks that no MMA
+reads a stage holding another tile, that no TMA lands in a stage still read, that the turns
+balance, and that nothing deadlocks. Each mutation (a protocol bug the kernels once had or could
+have) must fail, so the checks are known to bite."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "csrc"))
+import ws_pipeline_model as model  # noqa: E402
+
+STEPS = list(range(1, 10)) + [20]
+SEEDS = range(40)
+
+
+@pytest.mark.parametrize("n", STEPS)
+def test_forward_and_backward_protocols(n):
+    for seed in SEEDS:
+        model.run(n, seed)
+        for tma_dq in (False, True):
+            for d128 in (True, False):
+                model.run_bwd(n, seed, d128=d128, tma_dq=tma_dq)
+
+
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("stages", [4, 6])  # the dQ kernel's ring at head dim 128 and 64
+def test_dq_kernel_protocol(n, stages):
+    for seed in SEEDS:
+        model.run_dq(n, seed, stages=stages)
+
+
+@pytest.mark.parametrize("n", STEPS)
+def test_deterministic_overlapped_walk_protocol(n):
+    for seed in SEEDS:
+        model.run_det_overlap(n, seed)
+
+
+@pytest.mark.parametrize("run_fn, mutations", [
+    (model.run_dq, model.DQ_MUTATIONS),
+    (model.run_det_overlap, model.DET_MUTATIONS),
+])
+def test_protocol_mutations_are_caught(run_fn, mutations):
+    model.check_mutations(run_fn, mutations)
+
+
+def test_backward_mutations_are_caught():
+    model.check_bwd_mutations(seeds=60)
