@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <type_traits>
 #include <math.h>
 
 namespace mdkv {
@@ -237,27 +238,38 @@ __device__ __forceinline__ void mask_scores(Acc& s, int k0, bool is_par, int par
   }
 }
 
-// The backward's dS = P (dP - delta) in place of the scores S [rows x N] (a fragment; this
-// thread's rows row_a, row_a + 8), P = exp2(S sl2 - lse2) from the forward's LSE in log2 units;
-// kMasked: P = 0 where the row may not see the key of tile [k0, k0 + N) (from the parent's end
-// par1 on, or past the row itself). Both dQ kernels use it, so their dQ is bitwise the same.
-template <int N, bool kMasked>
-__device__ __forceinline__ void scores_to_ds(float (&s)[N / 2], const float (&dp)[N / 2], const float (&lse2)[2],
-                                             const float (&dlt)[2], float sl2, int k0, bool is_par, int par1,
-                                             int row_a, int lane) {
+// The backward's dS = P (dP - delta) in place of the scores S [rows x N] of key tile t of a row
+// item (RowItem; this thread's rows row_a, row_a + 8), P = exp2(S sl2 - lse2) from the forward's
+// LSE in log2 units, and P = 0 where the row may not see the key (from the parent's end on, or
+// past the row itself). The mask runs only on a tile that needs it: one branch per tile, the
+// masked and unmasked loops as two copies (a compare and branch per element otherwise:
+// docs/PERF.md, the ws backward's same change). Both dQ kernels use it, so their dQ is bitwise
+// the same.
+template <int N, typename Item>
+__device__ __forceinline__ void scores_to_ds(const Item& tile, int t, float (&s)[N / 2], const float (&dp)[N / 2],
+                                             const float (&lse2)[2], const float (&dlt)[2], float sl2, int row_a,
+                                             int lane) {
+  const int k0 = tile.kv_start(t);
+  const bool is_par = t < tile.n_par;
+  auto run = [&](auto masked) {
 #pragma unroll
-  for (int j = 0; j < N / 8; ++j)
+    for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = e >> 1;
-      float p = exp2f(fmaf(s[4 * j + e], sl2, -lse2[r]));
-      if constexpr (kMasked) {
-        const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
-        const int row = row_a + r * 8;
-        if (!(is_par ? (col < par1) : (col <= row))) p = 0.f;
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float p = exp2f(fmaf(s[4 * j + e], sl2, -lse2[r]));
+        if constexpr (decltype(masked)::value) {
+          const int col = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+          const int row = row_a + r * 8;
+          if (!(is_par ? (col < tile.par1) : (col <= row))) p = 0.f;
+        }
+        s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);
       }
-      s[4 * j + e] = p * (dp[4 * j + e] - dlt[r]);
-    }
+  };
+  if (tile.needs_mask(t))
+    run(std::true_type{});
+  else
+    run(std::false_type{});
 }
 
 // Online softmax step over the scores S [rows x N] (a fragment; log2 scale sl2): S becomes the

@@ -251,14 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(DqArgs a) {
     reg_fence(s);
     reg_fence(dp);
 
-    const int k0 = tile.kv_start(t);
-    const bool is_par = t < tile.n_par;
-    // one branch per tile, the masked and unmasked loops as two copies (a compare and branch per
-    // element otherwise: docs/PERF.md, the ws backward's same change)
-    if (tile.needs_mask(t))
-      scores_to_ds<kRK, true>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
-    else
-      scores_to_ds<kRK, false>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
+    scores_to_ds<kRK>(tile, t, s, dp, lse2, dlt, sl2, row_a, lane);
 
     uint32_t da[kRK / 16][4];
     pack_frags<T, kRK>(da, s);

@@ -499,6 +499,42 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // lags one step so that it needs the other consumer's dS^T half of a step both have long
   // finished: the consumers no longer meet at a barrier every step (which kept them in lockstep,
   // their softmax never under an MMA), only wait on the dS^T buffers' mbarriers.
+  // P^T in place of S^T and, with_ds, dS^T = P^T (dP^T - delta) in place of dP^T, for a query step
+  // of descriptor td whose -lse log2(e) and delta are cL, cD.
+  // Key rows k1..k0+127 of a short key tile hold the NEXT segment's keys (TMA loads the whole
+  // 128-row box; only rows past T are zero-filled, unlike the sm90 kernel's cp.async loads that
+  // zero every row >= k1). Their P^T / dS^T rows must be zeroed here: dK/dV of those rows are
+  // never stored, but dQ = dS K contracts over all 128 key rows, so unmasked rows would add the
+  // neighbours' keys to dQ (the causal own rows mask them anyway; the child ranges did not).
+  // One branch for the whole tile, not one per element (ptxas kept the `if (msk)` inside the
+  // unrolled loop: a branch and a compare per element, ~10 % of the stall samples, docs/PERF.md).
+  // cL holds -lse * log2(e) (the producer), so p is bitwise what exp2(s sl2 - lse log2 e) was.
+  auto probs = [&](float(&s)[QT / 2], float(&dp)[QT / 2], const int4 td, const float* cL, const float* cD,
+                   auto with_ds) {
+    const int q0 = td.x, qend = td.y;
+    const bool causal = td.w != 0;
+    auto run = [&](auto masked) {
+#pragma unroll
+      for (int j = 0; j < QT / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
+          float p = exp2f(fmaf(s[4 * j + e], sl2, cL[c]));
+          if constexpr (decltype(masked)::value) {
+            const int qrow = q0 + c;
+            const int krow = krow_a + (e >> 1) * 8;
+            if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
+          }
+          s[4 * j + e] = p;
+          if constexpr (decltype(with_ds)::value) dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
+        }
+    };
+    if ((q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
+  };
+
   auto step = [&](auto has_prev, const int it) {
     constexpr bool kPrev = decltype(has_prev)::value;
     const int st = stage(it), b = it & 1;
@@ -508,8 +544,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const float* cD = sDl + st * QT;
     mbar_wait(q_full(st), parity(it));
     const int4 td = sTd[it % kTdRing];  // written by the producer before its q_full arrival
-    const int q0 = td.x, qend = td.y;
-    const bool causal = td.w != 0;
 
     float s[QT / 2], dp[QT / 2];
     turn_take();
@@ -523,34 +557,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     reg_fence(s);
     reg_fence(dp);
 
-    // Key rows k1..k0+127 of a short key tile hold the NEXT segment's keys (TMA loads the whole
-    // 128-row box; only rows past T are zero-filled, unlike the sm90 kernel's cp.async loads that
-    // zero every row >= k1). Their P^T / dS^T rows must be zeroed here: dK/dV of those rows are
-    // never stored, but dQ = dS K contracts over all 128 key rows, so unmasked rows would add the
-    // neighbours' keys to dQ (the causal own rows mask them anyway; the child ranges did not).
-    // One branch for the whole tile, not one per element (ptxas kept the `if (msk)` inside the
-    // unrolled loop: a branch and a compare per element, ~10 % of the stall samples, docs/PERF.md).
-    // cL holds -lse * log2(e) (the producer), so p is bitwise what exp2(s sl2 - lse log2 e) was.
-    auto probs = [&](auto masked) {
-#pragma unroll
-      for (int j = 0; j < QT / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = j * 8 + (lane & 3) * 2 + (e & 1);  // query column inside the tile
-          float p = exp2f(fmaf(s[4 * j + e], sl2, cL[c]));
-          if constexpr (decltype(masked)::value) {
-            const int qrow = q0 + c;
-            const int krow = krow_a + (e >> 1) * 8;
-            if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
-          }
-          s[4 * j + e] = p;
-          dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
-        }
-    };
-    if ((q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short)
-      probs(std::true_type{});
-    else
-      probs(std::false_type{});
+    probs(s, dp, td, cL, cD, std::true_type{});
 
     uint32_t pa[QT / 16][4], da[QT / 16][4];
     pack_frags<T, QT>(pa, s, da, dp);
@@ -648,31 +655,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       wgmma_regs_x_tile<T, D, QT>(dv, pa, sdO + stage(it) * QT * D);
       wgmma_regs_x_tile<T, D, QT>(dk, da, sQ + stage(it) * QT * D);
     };
-    // P^T of step it in place of S^T, then dS^T in place of dP^T: the arithmetic of step's probs
+    // P^T of step it in place of S^T; dS^T in place of dP^T once dP^T is there (probs' arithmetic)
     auto probs_p = [&](int it) {
-      const float* cL = sL + stage(it) * QT;
-      const int4 td = sTd[it % kTdRing];
-      const int q0 = td.x, qend = td.y;
-      const bool causal = td.w != 0;
-      auto run = [&](auto masked) {
-#pragma unroll
-        for (int j = 0; j < QT / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = j * 8 + (lane & 3) * 2 + (e & 1);
-            float p = exp2f(fmaf(s[4 * j + e], sl2, cL[c]));
-            if constexpr (decltype(masked)::value) {
-              const int qrow = q0 + c;
-              const int krow = krow_a + (e >> 1) * 8;
-              if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
-            }
-            s[4 * j + e] = p;
-          }
-      };
-      if ((q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short)
-        run(std::true_type{});
-      else
-        run(std::false_type{});
+      probs(s, dp, sTd[it % kTdRing], sL + stage(it) * QT, sDl + stage(it) * QT, std::false_type{});
     };
     auto probs_ds = [&](int it) {
       const float* cD = sDl + stage(it) * QT;

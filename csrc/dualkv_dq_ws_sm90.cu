@@ -74,8 +74,7 @@ struct Smem {
   static constexpr int kK = kdO + kBQ * D * (int)sizeof(T);
   static constexpr int kV = kK + kStages * kBK * D * (int)sizeof(T);
   static constexpr int kBar = kV + kStages * kBK * D * (int)sizeof(T);
-  static constexpr int kBarCount = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
-  static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
+  static constexpr int kBytes = kBar + 8 * KvRing<kStages>::kBarCount + 1024;
   static_assert(kBytes <= 227 * 1024, "shared memory of the ws dQ kernel exceeds the 227 KB an sm_90 CTA can have");
 };
 
@@ -91,37 +90,16 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   T* sdO = reinterpret_cast<T*>(base + L::kdO);
   T* sK = reinterpret_cast<T*>(base + L::kK);
   T* sV = reinterpret_cast<T*>(base + L::kV);
-  const uint32_t bar0 = smem_addr(reinterpret_cast<void*>(base + L::kBar));
-  const uint32_t q_full = bar0;
-  auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
-  auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
-  auto k_empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
-  auto stage = [](int t) { return t % kStages; };
-  auto parity = [](int t) { return (uint32_t)((t / kStages) & 1); };
-
-  // kv-head-major block order, as the forward's: the CTAs resident at once read one kv head's K/V
-  const int group = a.hq / a.hkv;
-  const int per_hk = a.num_items * group;
-  const int hk = (int)(blockIdx.x / per_hk);
-  const int item = (int)(blockIdx.x % per_hk) / group;
-  const int h = hk * group + (int)(blockIdx.x % group);
-  const RowItem<kBK> tile(a.work + item * 8);
+  using Ring = KvRing<kStages>;
+  const Ring ring{smem_addr(reinterpret_cast<void*>(base + L::kBar))};
+  const KvHeadMajorBlock blk(a.num_items, a.hq, a.hkv);  // the forward's block order
+  const int hk = blk.hk, h = blk.h;
+  const RowItem<kBK> tile(a.work + blk.item * 8);
   const int n = tile.n_total;  // >= 1: the segment's own rows
 
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);  // warp-uniform
 
-  if (threadIdx.x == 0) {
-    mbar_init(q_full, 1);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full(s), 1);
-      mbar_init(v_full(s), 1);
-      mbar_init(k_empty(s), 8);
-      mbar_init(v_empty(s), 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (threadIdx.x == 0) ring.init();
   __syncthreads();
 
   if (role == 0) {
@@ -132,26 +110,13 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       prefetch_map(&tm_do);
       prefetch_map(&tm_k);
       prefetch_map(&tm_v);
-      constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
-      mbar_expect_tx(q_full, 2 * kBQ * D * sizeof(T));
+      mbar_expect_tx(ring.q_full(), 2 * kBQ * D * sizeof(T));
 #pragma unroll
       for (int p = 0; p < D / 64; ++p) {
-        tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, tile.q0);
-        tma_load(smem_addr(sdO + p * kBQ * 64), &tm_do, q_full, p * 64, h, tile.q0);
+        tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, ring.q_full(), p * 64, h, tile.q0);
+        tma_load(smem_addr(sdO + p * kBQ * 64), &tm_do, ring.q_full(), p * 64, h, tile.q0);
       }
-      for (int t = 0; t < n; ++t) {
-        const int st = stage(t), k0 = tile.kv_start(t);
-        if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
-        mbar_expect_tx(k_full(st), kTileBytes);
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p)
-          tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), &tm_k, k_full(st), p * 64, hk, k0);
-        if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
-        mbar_expect_tx(v_full(st), kTileBytes);
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p)
-          tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), &tm_v, v_full(st), p * 64, hk, k0);
-      }
+      ring.template load_kv<T, D, kBK>(&tm_k, &tm_v, sK, sV, n, hk, [&](int t) { return tile.kv_start(t); });
     }
     return;
   }
@@ -174,22 +139,15 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   float s[kBK / 2], dp[kBK / 2];
   uint32_t da[kBK / 16][4];
 
-  // dS_t in place of S_t, masked only where tile t needs it (one branch per tile)
-  auto ds_step = [&](int t) {
-    const int k0 = tile.kv_start(t);
-    const bool is_par = t < tile.n_par;
-    if (tile.needs_mask(t))
-      scores_to_ds<kBK, true>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
-    else
-      scores_to_ds<kBK, false>(s, dp, lse2, dlt, sl2, k0, is_par, tile.par1, row_a, lane);
-  };
+  // dS_t in place of S_t
+  auto ds_step = [&](int t) { scores_to_ds<kBK>(tile, t, s, dp, lse2, dlt, sl2, row_a, lane); };
 
-  mbar_wait(q_full, 0);
+  mbar_wait(ring.q_full(), 0);
   if (cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
 
   // tile 0: S and dP only
-  mbar_wait(k_full(0), 0);
-  mbar_wait(v_full(0), 0);
+  mbar_wait(ring.k_full(0), 0);
+  mbar_wait(ring.v_full(0), 0);
   named_sync(my_bar, 256);
   wg_fence();
   wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
@@ -199,19 +157,19 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   wg_wait<0>();
   reg_fence(s);
   reg_fence(dp);
-  if (lane == 0) mbar_arrive(v_empty(0));
+  if (lane == 0) mbar_arrive(ring.v_empty(0));
   ds_step(0);
 
   // steady state: S_t, dP_t and dQ += dS_{t-1} K_{t-1} in flight together; dS_t under the dQ MMA
   for (int t = 1; t < n; ++t) {
-    const int st = stage(t), sp = stage(t - 1);
+    const int st = Ring::stage(t), sp = Ring::stage(t - 1);
     wg_wait<0>();  // dQ += dS_{t-2} K_{t-2} complete (nothing pending when t = 1)
     reg_fence(dq);
     reg_fence_u(da);
-    if (lane == 0 && t >= 2) mbar_arrive(k_empty(stage(t - 2)));
+    if (lane == 0 && t >= 2) mbar_arrive(ring.k_empty(Ring::stage(t - 2)));
     pack_frags<T, kBK>(da, s);
-    mbar_wait(k_full(st), parity(t));
-    mbar_wait(v_full(st), parity(t));
+    mbar_wait(ring.k_full(st), Ring::parity(t));
+    mbar_wait(ring.v_full(st), Ring::parity(t));
     named_sync(my_bar, 256);
     reg_fence(dq);
     reg_fence_u(da);
@@ -225,7 +183,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_wait<1>();  // S_t and dP_t complete, the dQ MMA still running
     reg_fence(s);
     reg_fence(dp);
-    if (lane == 0) mbar_arrive(v_empty(st));
+    if (lane == 0) mbar_arrive(ring.v_empty(st));
     ds_step(t);
   }
 
@@ -234,9 +192,9 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_wait<0>();
     reg_fence(dq);
     reg_fence_u(da);
-    if (lane == 0 && n >= 2) mbar_arrive(k_empty(stage(n - 2)));
+    if (lane == 0 && n >= 2) mbar_arrive(ring.k_empty(Ring::stage(n - 2)));
     pack_frags<T, kBK>(da, s);
-    const int sl = stage(n - 1);
+    const int sl = Ring::stage(n - 1);
     reg_fence(dq);
     reg_fence_u(da);
     wg_fence();
@@ -244,7 +202,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_commit();
     wg_wait<0>();
     reg_fence(dq);
-    if (lane == 0) mbar_arrive(k_empty(sl));
+    if (lane == 0) mbar_arrive(ring.k_empty(sl));
   }
 
   const long qs = (long)a.hq * D;

@@ -98,8 +98,7 @@ struct Smem {
   static constexpr int kK = kQ + kBQ * D * (int)sizeof(T);
   static constexpr int kV = kK + kStages * kBK * D * (int)sizeof(T);
   static constexpr int kBar = kV + kStages * kBK * D * (int)sizeof(T);
-  static constexpr int kBarCount = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
-  static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
+  static constexpr int kBytes = kBar + 8 * KvRing<kStages>::kBarCount + 1024;
   static_assert(kBytes <= 227 * 1024, "shared memory of the ws forward exceeds the 227 KB an sm_90 CTA can have");
 };
 
@@ -150,24 +149,12 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   T* sQ = reinterpret_cast<T*>(base + L::kQ);
   T* sK = reinterpret_cast<T*>(base + L::kK);
   T* sV = reinterpret_cast<T*>(base + L::kV);
-  const uint32_t bar0 = smem_addr(reinterpret_cast<void*>(base + L::kBar));
-  const uint32_t q_full = bar0;
-  auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
-  auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
-  auto k_empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
-  auto stage = [](int t) { return t % kStages; };
-  auto parity = [](int t) { return (uint32_t)((t / kStages) & 1); };  // of key tile t's use of its stage
+  using Ring = KvRing<kStages>;
+  const Ring ring{smem_addr(reinterpret_cast<void*>(base + L::kBar))};
 
-  // kv-head-major block order (kv head, item, query head of its group): the CTAs resident at once
-  // stream one kv head's K/V, so L2 keeps it (item-major, all 8 kv heads' K/V competed: on
-  // (16, 65536, 2048) 131 GB of DRAM reads instead of 5, the forward 5 % slower; docs/PERF.md)
-  const int group = a.hq / a.hkv;
-  const int per_hk = a.num_items * group;
-  const int hk = (int)(blockIdx.x / per_hk);
-  const int item = (int)(blockIdx.x % per_hk) / group;
-  const int h = hk * group + (int)(blockIdx.x % group);
-  const int* w = a.work + item * 8;
+  const KvHeadMajorBlock blk(a.num_items, a.hq, a.hkv);
+  const int hk = blk.hk, h = blk.h;
+  const int* w = a.work + blk.item * 8;
   const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4], qloc = w[6];
   const int n_par = (par1 - par0 + kBK - 1) / kBK;
   const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // > n_par: q0 >= self0, q1 > q0
@@ -190,17 +177,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
 
-  if (threadIdx.x == 0) {
-    mbar_init(q_full, 1);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full(s), 1);
-      mbar_init(v_full(s), 1);
-      mbar_init(k_empty(s), 8);
-      mbar_init(v_empty(s), 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (threadIdx.x == 0) ring.init();
   __syncthreads();
 
   if (role == 0) {
@@ -210,24 +187,10 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       prefetch_map(&tm_q);
       prefetch_map(&tm_k);
       prefetch_map(&tm_v);
-      constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
-      mbar_expect_tx(q_full, kBQ * D * sizeof(T));
+      mbar_expect_tx(ring.q_full(), kBQ * D * sizeof(T));
 #pragma unroll
-      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, q_full, p * 64, h, qloc);
-      for (int t = 0; t < n_total; ++t) {
-        const int st = stage(t), k0 = kv_start(t);
-        // stage st last held key tile t - kStages: wait until both consumers released it
-        if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
-        mbar_expect_tx(k_full(st), kTileBytes);
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p)
-          tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), &tm_k, k_full(st), p * 64, hk, k0);
-        if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
-        mbar_expect_tx(v_full(st), kTileBytes);
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p)
-          tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), &tm_v, v_full(st), p * 64, hk, k0);
-      }
+      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, ring.q_full(), p * 64, h, qloc);
+      ring.template load_kv<T, D, kBK>(&tm_k, &tm_v, sK, sV, n_total, hk, kv_start);
     }
     return;
   }
@@ -249,11 +212,11 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   float s[kBK / 2];
   uint32_t pa[kBK / 16][4];
 
-  mbar_wait(q_full, 0);
+  mbar_wait(ring.q_full(), 0);
   if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
 
   // tile 0: S only
-  mbar_wait(k_full(0), 0);
+  mbar_wait(ring.k_full(0), 0);
   if (kPingPong) named_sync(my_bar, 256);
   wg_fence();
   wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
@@ -261,7 +224,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   if (kPingPong && (cw == 0 || n_main > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
   wg_wait<0>();
   reg_fence(s);
-  if (lane == 0) mbar_arrive(k_empty(0));
+  if (lane == 0) mbar_arrive(ring.k_empty(0));
   softmax_step<kBK>(s, m, l, alpha, kv_start(0), n_pfull > 0, par1, row_a, row_w0, lane, sl2);
 
   // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
@@ -269,15 +232,15 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
   // SASS), which serializes them again; the loop back edge keeps it below.
   for (int t = 1; t < n_main; ++t) {
-    const int st = stage(t), sp = stage(t - 1);
+    const int st = Ring::stage(t), sp = Ring::stage(t - 1);
     wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
     reg_fence(o);
     reg_fence_u(pa);
-    if (lane == 0 && t >= 2) mbar_arrive(v_empty(stage(t - 2)));
+    if (lane == 0 && t >= 2) mbar_arrive(ring.v_empty(Ring::stage(t - 2)));
     rescale<D>(o, alpha);
     pack_frags<T, kBK>(pa, s);
-    mbar_wait(k_full(st), parity(t));
-    mbar_wait(v_full(sp), parity(t - 1));
+    mbar_wait(ring.k_full(st), Ring::parity(t));
+    mbar_wait(ring.v_full(sp), Ring::parity(t - 1));
     if (kPingPong) named_sync(my_bar, 256);
     reg_fence(o);
     reg_fence_u(pa);
@@ -289,7 +252,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     if (kPingPong && (cw == 0 || t + 1 < n_main)) named_arrive(other_bar, 256);
     wg_wait<1>();  // S_t complete, P V still running
     reg_fence(s);
-    if (lane == 0) mbar_arrive(k_empty(st));
+    if (lane == 0) mbar_arrive(ring.k_empty(st));
     softmax_step<kBK>(s, m, l, alpha, kv_start(t), t < n_pfull, par1, row_a, row_w0, lane, sl2);
   }
 
@@ -298,11 +261,11 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
-    if (lane == 0 && n_main >= 2) mbar_arrive(v_empty(stage(n_main - 2)));
+    if (lane == 0 && n_main >= 2) mbar_arrive(ring.v_empty(Ring::stage(n_main - 2)));
     rescale<D>(o, alpha);
     pack_frags<T, kBK>(pa, s);
-    const int sl = stage(n_main - 1);
-    mbar_wait(v_full(sl), parity(n_main - 1));
+    const int sl = Ring::stage(n_main - 1);
+    mbar_wait(ring.v_full(sl), Ring::parity(n_main - 1));
     reg_fence(o);
     reg_fence_u(pa);
     wg_fence();
@@ -310,27 +273,27 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
-    if (lane == 0) mbar_arrive(v_empty(sl));
+    if (lane == 0) mbar_arrive(ring.v_empty(sl));
   }
 
   // the parent's narrowed tail (tile n_main), without overlap: S, softmax, P V
   auto narrow_tail_tile = [&](auto width) {
     constexpr int W = decltype(width)::value;
-    const int st = stage(n_main);
+    const int st = Ring::stage(n_main);
     float sn[W / 2];
-    mbar_wait(k_full(st), parity(n_main));
+    mbar_wait(ring.k_full(st), Ring::parity(n_main));
     wg_fence();
     wgmma_rows_x_rows<T, D, kBQ, W, kBK>(sn, sQw, 0, sK + st * kBK * D);
     wg_commit();
     wg_wait<0>();
     reg_fence(sn);
-    if (lane == 0) mbar_arrive(k_empty(st));
+    if (lane == 0) mbar_arrive(ring.k_empty(st));
 #pragma unroll
     for (int i = 0; i < kBK / 2; ++i) s[i] = i < W / 2 ? sn[i] : -INFINITY;
     softmax_step<kBK>(s, m, l, alpha, kv_start(n_main), true, par1, row_a, row_w0, lane, sl2);
     rescale<D>(o, alpha);
     pack_frags<T, kBK>(pa, s);
-    mbar_wait(v_full(st), parity(n_main));
+    mbar_wait(ring.v_full(st), Ring::parity(n_main));
     reg_fence(o);
     reg_fence_u(pa);
     wg_fence();
@@ -338,7 +301,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
-    if (lane == 0) mbar_arrive(v_empty(st));
+    if (lane == 0) mbar_arrive(ring.v_empty(st));
   };
   if (tail_w == 64)
     narrow_tail_tile(std::integral_constant<int, 64>());

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "device_common.h"
+
 namespace mdkv {
 namespace sm90ws {
 
@@ -77,6 +79,69 @@ __device__ __forceinline__ void reg_fence_u(uint32_t (&x)[N][4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
 }
+
+// The K/V ring of the ws forward and dQ kernels (one CTA per query tile and query head): its
+// mbarriers, 8 bytes apart from bar0: q_full, then k_full, v_full, k_empty, v_empty [kStages]
+// each; key tile t lives in stage t % kStages, the parity of its use of the stage is (t / kStages) & 1.
+// full: 1 arrival (the producer's arrive.expect_tx) + the TMA bytes; empty: 8 arrivals (lane 0 of
+// each consumer warp).
+template <int kStages>
+struct KvRing {
+  static constexpr int kBarCount = 1 + 4 * kStages;
+  uint32_t bar0;
+  __device__ __forceinline__ uint32_t q_full() const { return bar0; }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return bar0 + 8u * (1 + s); }
+  __device__ __forceinline__ uint32_t v_full(int s) const { return bar0 + 8u * (1 + kStages + s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const { return bar0 + 8u * (1 + 2 * kStages + s); }
+  __device__ __forceinline__ uint32_t v_empty(int s) const { return bar0 + 8u * (1 + 3 * kStages + s); }
+  __device__ __forceinline__ static int stage(int t) { return t % kStages; }
+  __device__ __forceinline__ static uint32_t parity(int t) { return (uint32_t)((t / kStages) & 1); }
+  // thread 0, before the CTA's first barrier
+  __device__ __forceinline__ void init() const {
+    mbar_init(q_full(), 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), 8);
+      mbar_init(v_empty(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  // The producer thread: key tiles 0 .. n - 1 (rows kv_start(t) .. + kBK of kv head hk), K then V of
+  // each into its stage once both consumers released the stage's previous tile
+  template <typename T, int D, int kBK, typename KvStart>
+  __device__ __forceinline__ void load_kv(const CUtensorMap* tm_k, const CUtensorMap* tm_v, T* sK, T* sV, int n,
+                                          int hk, const KvStart& kv_start) const {
+    constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
+    for (int t = 0; t < n; ++t) {
+      const int st = stage(t), k0 = kv_start(t);
+      if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
+      mbar_expect_tx(k_full(st), kTileBytes);
+#pragma unroll
+      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), tm_k, k_full(st), p * 64, hk, k0);
+      if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
+      mbar_expect_tx(v_full(st), kTileBytes);
+#pragma unroll
+      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), tm_v, v_full(st), p * 64, hk, k0);
+    }
+  }
+};
+
+// kv-head-major block order of the ws forward and dQ kernels (kv head, row item, query head of its
+// group): the CTAs resident at once stream one kv head's K/V, so L2 keeps it (item-major, all 8 kv
+// heads' K/V competed: on (16, 65536, 2048) 131 GB of DRAM reads instead of 5, the forward 5 %
+// slower; docs/PERF.md)
+struct KvHeadMajorBlock {
+  int hk, item, h;
+  __device__ __forceinline__ KvHeadMajorBlock(int num_items, int hq, int hkv) {
+    const int group = hq / hkv;
+    const int per_hk = num_items * group;
+    hk = (int)(blockIdx.x / per_hk);
+    item = (int)(blockIdx.x % per_hk) / group;
+    h = hk * group + (int)(blockIdx.x % group);
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // host: TMA tensor maps
