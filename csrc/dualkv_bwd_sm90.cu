@@ -18,11 +18,10 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <math.h>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "dualkv_kernels.h"
+#include "env_choice.h"
 #include "wgmma_ops.h"
 #include "sm90_common.h"
 #include "work_items.h"
@@ -311,12 +310,7 @@ cudaError_t launch_bwd_sm90(const DeltaArgs& da, const DqArgs& qa, const DkvArgs
   return cudaErrorInvalidValue;
 }
 
-int dq_key_tile_from_env() {
-  const char* m = std::getenv("MEGATRON_DUALKV_DQ_KTILE");
-  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "128") == 0) return 128;
-  if (std::strcmp(m, "64") == 0) return 64;
-  return -1;
-}
+int dq_key_tile_from_env() { return env_choice("MEGATRON_DUALKV_DQ_KTILE", {{"128", 128}, {"64", 64}}); }
 
 cudaError_t launch_dq_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream) {
   if (dtype == kBF16 && d == 128) return sm90::dq_t<__nv_bfloat16, 128>(qa, stream);

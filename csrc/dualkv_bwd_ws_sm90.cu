@@ -74,11 +74,11 @@
 #include <stdint.h>
 #include <math.h>
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "dualkv_kernels.h"
 #include "dualkv_fwd_ws.h"
+#include "env_choice.h"
 #include "sm90_common.h"
 #include "sm90_ws_common.h"
 #include "wgmma_ops.h"
@@ -816,12 +816,7 @@ static bool make_dq_map(CUtensorMap* map, float* dq_acc, int d, int hq, int Tq, 
 
 }  // namespace sm90ws
 
-int det_overlap_from_env() {
-  const char* m = std::getenv("MEGATRON_DUALKV_DET_OVERLAP");
-  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "1") == 0) return 1;
-  if (std::strcmp(m, "0") == 0) return 0;
-  return -1;
-}
+int det_overlap_from_env() { return env_choice("MEGATRON_DUALKV_DET_OVERLAP", {{"1", 1}, {"0", 0}}); }
 
 namespace sm90ws {
 
@@ -877,21 +872,15 @@ static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype
 }  // namespace sm90ws
 
 int ws_dq_mode_from_env() {
-  const char* m = std::getenv("MEGATRON_DUALKV_WS_DQ");
   // default tma: 8-18 % faster backward on the published shapes (H100, docs/PERF.md)
-  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "tma") == 0) return 1;
-  if (std::strcmp(m, "atomic") == 0) return 0;
-  return -1;
+  return env_choice("MEGATRON_DUALKV_WS_DQ", {{"tma", 1}, {"atomic", 0}});
 }
 
 int ws_bwd_query_tile_from_env() {
   // query rows per step of the ws backward at head dim 128 (64 always at head dim 64 and with
   // MEGATRON_DUALKV_WS_DQ=atomic); default 80 (sm90ws::kWideQT): 5-10 % faster backward on the
   // published shapes (H100, docs/PERF.md "Seventh session")
-  const char* m = std::getenv("MEGATRON_DUALKV_WS_BWD_QTILE");
-  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "80") == 0) return sm90ws::kWideQT;
-  if (std::strcmp(m, "64") == 0) return 64;
-  return -1;
+  return env_choice("MEGATRON_DUALKV_WS_BWD_QTILE", {{"80", sm90ws::kWideQT}, {"64", 64}});
 }
 
 cudaError_t launch_bwd_ws_sm90(const DeltaArgs& da, const DkvArgs& ka, int dtype, int d, cudaStream_t stream,

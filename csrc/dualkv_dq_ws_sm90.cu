@@ -34,12 +34,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 #include <math.h>
 
 #include "dualkv_kernels.h"
+#include "env_choice.h"
 #include "sm90_common.h"
 #include "sm90_ws_common.h"
 #include "wgmma_ops.h"
@@ -232,19 +231,10 @@ static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t
 
 }  // namespace dqws
 
-int dq_kernel_from_env() {
-  const char* m = std::getenv("MEGATRON_DUALKV_DQ_KERNEL");
-  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "ws") == 0) return 1;
-  if (std::strcmp(m, "sm90") == 0) return 0;
-  return -1;
-}
+int dq_kernel_from_env() { return env_choice("MEGATRON_DUALKV_DQ_KERNEL", {{"ws", 1}, {"sm90", 0}}); }
 
 int dq_side_stream_from_env() {
-  const char* m = std::getenv("MEGATRON_DUALKV_DQ_STREAM");
-  if (m == nullptr || m[0] == '\0' || std::strcmp(m, "auto") == 0) return 2;
-  if (std::strcmp(m, "1") == 0) return 1;
-  if (std::strcmp(m, "0") == 0) return 0;
-  return -1;
+  return env_choice("MEGATRON_DUALKV_DQ_STREAM", {{"auto", 2}, {"1", 1}, {"0", 0}});
 }
 
 cudaError_t launch_dq_ws_sm90(const DqArgs& a, int dtype, int d, cudaStream_t stream) {

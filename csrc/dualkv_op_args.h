@@ -162,25 +162,19 @@ inline DkvArgs dkv_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return a;
 }
 
-// `op` names the op in the message. Launchers of kernels that read through TMA (`tma`: the ws
-// kernels) return cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.
+// Before a launch that reads switch `var` (code: its *_from_env() value, -1 for a value not
+// allowed): a clear error naming the variable and the `allowed` values
+inline void check_env_choice(int code, const char* var, const char* allowed) {
+  TORCH_CHECK(code >= 0, "megatron_dualkv: ", var, " must be ", allowed, ", got '", std::getenv(var), "'");
+}
+
 // before a launch of the sm90 dQ kernel, whose key tile comes from the environment
 inline void check_dq_key_tile_env() {
-  TORCH_CHECK(dq_key_tile_from_env() > 0, "megatron_dualkv: MEGATRON_DUALKV_DQ_KTILE must be '64' or '128', got '",
-              std::getenv("MEGATRON_DUALKV_DQ_KTILE"), "'");
+  check_env_choice(dq_key_tile_from_env(), "MEGATRON_DUALKV_DQ_KTILE", "'64' or '128'");
 }
 
-// before the ws backward's deterministic dQ, whose kernel comes from the environment
-inline void check_dq_kernel_env() {
-  TORCH_CHECK(dq_kernel_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_DQ_KERNEL must be 'ws' or 'sm90', got '",
-              std::getenv("MEGATRON_DUALKV_DQ_KERNEL"), "'");
-}
-
-inline void check_dq_stream_env() {
-  TORCH_CHECK(dq_side_stream_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_DQ_STREAM must be 'auto', '0' or '1', got '",
-              std::getenv("MEGATRON_DUALKV_DQ_STREAM"), "'");
-}
-
+// `op` names the op in the message. Launchers of kernels that read through TMA (`tma`: the ws
+// kernels) return cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.
 inline void check_launch(cudaError_t err, const char* op, bool tma) {
   TORCH_CHECK(err == cudaSuccess, "megatron_dualkv ", op, " launch failed: ", cudaGetErrorString(err),
               tma && err == cudaErrorInvalidResourceHandle ? " (TMA tensor map could not be encoded)" : "");

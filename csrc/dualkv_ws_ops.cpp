@@ -70,11 +70,8 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots) {
   check_ws_qkv(q, k, v);
-  TORCH_CHECK(mdkv::ws_dq_mode_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_WS_DQ must be 'atomic' or 'tma', got '",
-              std::getenv("MEGATRON_DUALKV_WS_DQ"), "'");
-  TORCH_CHECK(mdkv::ws_bwd_query_tile_from_env() >= 0,
-              "megatron_dualkv: MEGATRON_DUALKV_WS_BWD_QTILE must be '64' or '80', got '",
-              std::getenv("MEGATRON_DUALKV_WS_BWD_QTILE"), "'");
+  check_env_choice(mdkv::ws_dq_mode_from_env(), "MEGATRON_DUALKV_WS_DQ", "'atomic' or 'tma'");
+  check_env_choice(mdkv::ws_bwd_query_tile_from_env(), "MEGATRON_DUALKV_WS_BWD_QTILE", "'64' or '80'");
   // kv items and ranges [a, b, loc, causal] of cuda_backend.ws_kv_work
   check_work(kv_work, q, "kv_work", 8);
   check_work(kv_ranges, q, "kv_ranges", 4);
@@ -85,10 +82,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     TORCH_CHECK(q.size(0) == k.size(0), "megatron_dualkv: the deterministic ws backward takes all T = ", k.size(0),
                 " query rows (its dQ kernel has no local queries); q holds ", q.size(0));
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
-    check_dq_kernel_env();
-    check_dq_stream_env();
-    TORCH_CHECK(mdkv::det_overlap_from_env() >= 0, "megatron_dualkv: MEGATRON_DUALKV_DET_OVERLAP must be '0' or '1', got '",
-                std::getenv("MEGATRON_DUALKV_DET_OVERLAP"), "'");
+    check_env_choice(mdkv::dq_kernel_from_env(), "MEGATRON_DUALKV_DQ_KERNEL", "'ws' or 'sm90'");
+    check_env_choice(mdkv::dq_side_stream_from_env(), "MEGATRON_DUALKV_DQ_STREAM", "'auto', '0' or '1'");
+    check_env_choice(mdkv::det_overlap_from_env(), "MEGATRON_DUALKV_DET_OVERLAP", "'0' or '1'");
     if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
   }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(in.dout.data_ptr()) % 16 == 0,
