@@ -28,91 +28,6 @@ class MBar:
         if s.pend == 0 and s.tx == 0: s.phase += 1; s.pend = s.count
     def done(s, parity): return (s.phase & 1) != parity
 
-class Named:
-    def __init__(s): s.arr = 0; s.gen = 0   # arrivals of the other WG (128 each, modelled as 1)
-    
-def run(n, seed):
-    rnd = random.Random(seed)
-    q_full = MBar(1); kf = [MBar(1) for _ in range(S)]; vf = [MBar(1) for _ in range(S)]
-    ke = [MBar(2) for _ in range(S)]; ve = [MBar(2) for _ in range(S)]   # 2 WGs (8 warps modelled as 2)
-    stageK = [None]*S; stageV = [None]*S  # tile held (after TMA lands)
-    readersK = [set() for _ in range(S)]; readersV = [set() for _ in range(S)]
-    tma = []  # pending (kind, stage, tile, bar)
-    named = [0, 0]  # pending arrivals on barrier w (from the other WG)
-    mma = {0: [], 1: []}  # pending groups per WG: list of (kind, stage, tile)
-    kv_start = lambda t: t
-    def producer():
-        q_full.arrive(tx=1); tma.append(("Q", 0, 0, q_full))
-        for t in range(n):
-            st = t % S; par = (t // S) & 1
-            if t >= S:
-                while not ke[st].done(par ^ 1): yield
-            kf[st].arrive(tx=1); tma.append(("K", st, t, kf[st]))
-            if t >= S:
-                while not ve[st].done(par ^ 1): yield
-            vf[st].arrive(tx=1); tma.append(("V", st, t, vf[st]))
-    def issue(w, kind, t):
-        st = t % S
-        if kind == "K": assert stageK[st] == t, f"WG{w} S({t}) reads stage holding {stageK[st]}"; readersK[st].add((w, t))
-        else: assert stageV[st] == t, f"WG{w} PV({t}) reads stage holding {stageV[st]}"; readersV[st].add((w, t))
-        mma[w].append((kind, st, t))
-    def wait_groups(w, keep):
-        while len(mma[w]) > keep: yield
-    def nsync(w):
-        while named[w] == 0: yield
-        named[w] -= 1
-    def narrive(w): named[w ^ 1] += 1
-    def consumer(w):
-        while not q_full.done(0): yield
-        if w == 1: narrive(1)
-        while not kf[0].done(0): yield
-        yield from nsync(w)
-        issue(w, "K", 0)
-        if w == 0 or n > 1: narrive(w)
-        yield from wait_groups(w, 0)
-        ke[0].arrive()
-        for t in range(1, n):
-            st, sp = t % S, (t - 1) % S
-            yield from wait_groups(w, 0)
-            if t >= 2: ve[(t - 2) % S].arrive()
-            while not kf[st].done((t // S) & 1): yield
-            while not vf[sp].done(((t - 1) // S) & 1): yield
-            yield from nsync(w)
-            issue(w, "K", t); issue(w, "V", t - 1)
-            if w == 0 or t + 1 < n: narrive(w)
-            yield from wait_groups(w, 1)
-            ke[st].arrive()
-        yield from wait_groups(w, 0)
-        if n >= 2: ve[(n - 2) % S].arrive()
-        sl = (n - 1) % S
-        while not vf[sl].done(((n - 1) // S) & 1): yield
-        issue(w, "V", n - 1)
-        yield from wait_groups(w, 0)
-        ve[sl].arrive()
-    agents = {"P": producer(), "C0": consumer(0), "C1": consumer(1)}
-    live = set(agents)
-    steps = 0
-    while live or tma or mma[0] or mma[1]:
-        steps += 1
-        assert steps < 200000, "deadlock"
-        choice = rnd.random()
-        if tma and choice < 0.2:
-            kind, st, t, bar = tma.pop(rnd.randrange(len(tma)))
-            if kind == "K": assert not readersK[st], f"TMA K{t} overwrites stage {st} while read by {readersK[st]}"; stageK[st] = t
-            if kind == "V": assert not readersV[st], f"TMA V{t} overwrites stage {st} while read by {readersV[st]}"; stageV[st] = t
-            bar.complete_tx(1); continue
-        w = rnd.randrange(2)
-        if mma[w] and choice < 0.4:   # the oldest group of WG w completes (groups complete in order)
-            kind, st, t = mma[w].pop(0)
-            (readersK if kind == "K" else readersV)[st].discard((w, t)); continue
-        if not live: continue
-        a = rnd.choice(sorted(live))
-        try: next(agents[a])
-        except StopIteration: live.discard(a)
-    assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
-    return steps
-
-
 class NamedBar:
     """Named barrier with one-sided use (turns, dQ staging): some agents bar.sync, the others
     bar.arrive; completes when all `parties` have arrived. An agent arriving twice in one
@@ -372,6 +287,107 @@ def _groups_run(agents, tma, mma, readers, land, rnd, limit=200000):
     return steps
 
 
+class KvRing:
+    """The K/V ring of the ws forward and dQ kernels (one agent per consumer warpgroup): a
+    producer loading Q once and K then V of every tile into stage t % stages after both consumers
+    released the stage's previous tile, wgmma groups retired in order, the consumers' turns.
+    Checked on every read, landing and release: an MMA reads the stage holding its tile, no TMA
+    lands in a stage still read, one mbarrier phase never mixes two tiles' releases."""
+    def __init__(s, n, stages):
+        s.n, s.stages = n, stages
+        s.q_full = MBar(1)
+        s.kf, s.vf = [MBar(1) for _ in range(stages)], [MBar(1) for _ in range(stages)]
+        s.ke, s.ve = [MBar(2) for _ in range(stages)], [MBar(2) for _ in range(stages)]  # 2 WGs (8 warps as 2)
+        s.held = {"K": [None] * stages, "V": [None] * stages}
+        s.readers = {"K": [[] for _ in range(stages)], "V": [[] for _ in range(stages)]}
+        s.released = {"K": [set() for _ in range(stages)], "V": [set() for _ in range(stages)]}
+        s.tma, s.mma, s.named = [], {0: [], 1: []}, [0, 0]
+
+    def producer(s):
+        s.q_full.arrive(tx=1); s.tma.append(("Q", 0, 0, s.q_full))
+        for t in range(s.n):
+            st, par = t % s.stages, (t // s.stages) & 1
+            if t >= s.stages:
+                while not s.ke[st].done(par ^ 1): yield
+            s.kf[st].arrive(tx=1); s.tma.append(("K", st, t, s.kf[st]))
+            if t >= s.stages:
+                while not s.ve[st].done(par ^ 1): yield
+            s.vf[st].arrive(tx=1); s.tma.append(("V", st, t, s.vf[st]))
+
+    def land(s, kind, st, t, bar):
+        if kind != "Q":
+            assert not s.readers[kind][st], f"TMA {kind}{t} lands in stage {st} read by {s.readers[kind][st]}"
+            s.held[kind][st] = t
+        bar.complete_tx(1)
+
+    def group(s, w, reads):  # one wgmma group of WG w reading tiles [(kind, t)]
+        for kind, t in reads:
+            st = t % s.stages
+            assert s.held[kind][st] == t, f"WG{w} reads {kind}{t} from stage {st} holding {s.held[kind][st]}"
+            s.readers[kind][st].append((w, t))
+        s.mma[w].append([(kind, t % s.stages, t) for kind, t in reads])
+
+    def release(s, kind, t):
+        st = t % s.stages
+        bar = (s.ke if kind == "K" else s.ve)[st]
+        s.released[kind][st].add((bar.phase, t))
+        assert len({tt for ph, tt in s.released[kind][st] if ph == bar.phase}) == 1, f"one {kind} phase mixes tiles"
+        bar.arrive()
+
+    def wait_groups(s, w, keep):
+        while len(s.mma[w]) > keep: yield
+
+    def full(s, bars, t):
+        while not bars[t % s.stages].done((t // s.stages) & 1): yield
+
+    def nsync(s, w):  # turn: bar.sync on w's barrier, consuming one arrival of the other WG
+        while s.named[w] == 0: yield
+        s.named[w] -= 1
+
+    def narrive(s, w): s.named[w ^ 1] += 1
+
+    def run(s, consumer, seed):
+        agents = {"P": s.producer(), "C0": consumer(s, 0), "C1": consumer(s, 1)}
+        steps = _groups_run(agents, s.tma, s.mma, s.readers, s.land, random.Random(seed))
+        assert s.named == [0, 0], f"unconsumed named-barrier arrivals {s.named}"
+        return steps
+
+
+def _fwd_consumer(r, w):
+    """The ws forward (csrc/dualkv_fwd_ws_sm90.cu): S_t (K_t) and O += P_{t-1} V_{t-1} as two
+    groups of one turn; K_t released once S_t completed, V_{t-1} once its P V group did."""
+    n = r.n
+    while not r.q_full.done(0): yield
+    if w == 1: r.narrive(1)
+    yield from r.full(r.kf, 0)
+    yield from r.nsync(w)
+    r.group(w, [("K", 0)])
+    if w == 0 or n > 1: r.narrive(w)
+    yield from r.wait_groups(w, 0)
+    r.release("K", 0)
+    for t in range(1, n):
+        yield from r.wait_groups(w, 0)
+        if t >= 2: r.release("V", t - 2)
+        yield from r.full(r.kf, t)
+        yield from r.full(r.vf, t - 1)
+        yield from r.nsync(w)
+        r.group(w, [("K", t)]); r.group(w, [("V", t - 1)])
+        if w == 0 or t + 1 < n: r.narrive(w)
+        yield from r.wait_groups(w, 1)
+        r.release("K", t)
+    yield from r.wait_groups(w, 0)
+    if n >= 2: r.release("V", n - 2)
+    yield from r.full(r.vf, n - 1)
+    r.group(w, [("V", n - 1)])
+    yield from r.wait_groups(w, 0)
+    r.release("V", n - 1)
+
+
+def run(n, seed):
+    """The ws forward's protocol (S = 3 stages), see KvRing and _fwd_consumer."""
+    return KvRing(n, S).run(_fwd_consumer, seed)
+
+
 DQ_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make run_dq fail)
     "k_release_after_s": "K_t released after S_t (as the forward does) although dQ reads it one step later",
     "k_release_at_issue": "K_{t-1} released as its dQ group is issued, not when it completed",
@@ -379,98 +395,42 @@ DQ_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make r
 
 
 def run_dq(n, seed, stages=4, mutation=None):
-    """The ws dQ kernel (csrc/dualkv_dq_ws_sm90.cu): the forward's ring and turns, with S_t and dP_t
-    (K_t and V_t) in a consumer's first group of step t and dQ += dS_{t-1} K_{t-1} in its second;
-    V_t is released when the first group completed, K_t when its dQ group did (top of step t + 2,
-    or after the loop). Checked: every MMA reads the stage holding its tile, no TMA lands in a
-    stage still read, one mbarrier phase never mixes two tiles' arrivals, turns balanced, no
-    deadlock."""
+    """The ws dQ kernel (csrc/dualkv_dq_ws_sm90.cu): the forward's ring and turns (KvRing), with
+    S_t and dP_t (K_t and V_t) in a consumer's first group of step t and dQ += dS_{t-1} K_{t-1} in
+    its second; V_t is released when the first group completed, K_t when its dQ group did (top of
+    step t + 2, or after the loop). No deadlock, and KvRing's checks."""
     assert mutation is None or mutation in DQ_MUTATIONS
-    rnd = random.Random(seed)
-    q_full = MBar(1)
-    kf, vf = [MBar(1) for _ in range(stages)], [MBar(1) for _ in range(stages)]
-    ke, ve = [MBar(2) for _ in range(stages)], [MBar(2) for _ in range(stages)]  # one agent per consumer
-    held = {"K": [None] * stages, "V": [None] * stages}
-    readers = {"K": [[] for _ in range(stages)], "V": [[] for _ in range(stages)]}
-    released = {"K": [set() for _ in range(stages)], "V": [set() for _ in range(stages)]}  # tiles per phase
-    tma, mma = [], {0: [], 1: []}
-    named = [0, 0]
 
-    def producer():
-        q_full.arrive(tx=1); tma.append(("Q", 0, 0, q_full))
-        for t in range(n):
-            st, par = t % stages, (t // stages) & 1
-            if t >= stages:
-                while not ke[st].done(par ^ 1): yield
-            kf[st].arrive(tx=1); tma.append(("K", st, t, kf[st]))
-            if t >= stages:
-                while not ve[st].done(par ^ 1): yield
-            vf[st].arrive(tx=1); tma.append(("V", st, t, vf[st]))
-
-    def land(kind, st, t, bar):
-        if kind != "Q":
-            assert not readers[kind][st], f"TMA {kind}{t} lands in stage {st} read by {readers[kind][st]}"
-            held[kind][st] = t
-        bar.complete_tx(1)
-
-    def group(w, reads):
-        for kind, t in reads:
-            st = t % stages
-            assert held[kind][st] == t, f"WG{w} reads {kind}{t} from stage {st} holding {held[kind][st]}"
-            readers[kind][st].append((w, t))
-        mma[w].append([(kind, t % stages, t) for kind, t in reads])
-
-    def release(kind, t):
-        st = t % stages
-        phase = (ke if kind == "K" else ve)[st].phase
-        released[kind][st].add((phase, t))
-        assert len({tt for ph, tt in released[kind][st] if ph == phase}) == 1, f"one {kind} phase mixes tiles"
-        (ke if kind == "K" else ve)[st].arrive()
-
-    def wait_groups(w, keep):
-        while len(mma[w]) > keep: yield
-
-    def nsync(w):
-        while named[w] == 0: yield
-        named[w] -= 1
-
-    def narrive(w): named[w ^ 1] += 1
-
-    def full(bar, t):
-        while not bar[t % stages].done((t // stages) & 1): yield
-
-    def consumer(w):
-        while not q_full.done(0): yield
-        if w == 1: narrive(1)
-        yield from full(kf, 0); yield from full(vf, 0)
-        yield from nsync(w)
-        group(w, [("K", 0), ("V", 0)])
-        if w == 0 or n > 1: narrive(w)
-        yield from wait_groups(w, 0)
-        release("V", 0)
-        if mutation == "k_release_after_s": release("K", 0)
+    def consumer(r, w):
+        while not r.q_full.done(0): yield
+        if w == 1: r.narrive(1)
+        yield from r.full(r.kf, 0); yield from r.full(r.vf, 0)
+        yield from r.nsync(w)
+        r.group(w, [("K", 0), ("V", 0)])
+        if w == 0 or n > 1: r.narrive(w)
+        yield from r.wait_groups(w, 0)
+        r.release("V", 0)
+        if mutation == "k_release_after_s": r.release("K", 0)
         late_k = mutation is None  # K released when its dQ group completed (the kernel)
         for t in range(1, n):
-            yield from wait_groups(w, 0)
-            if t >= 2 and late_k: release("K", t - 2)
-            yield from full(kf, t); yield from full(vf, t)
-            yield from nsync(w)
-            group(w, [("K", t), ("V", t)]); group(w, [("K", t - 1)])
-            if mutation == "k_release_at_issue": release("K", t - 1)
-            if w == 0 or t + 1 < n: narrive(w)
-            yield from wait_groups(w, 1)
-            release("V", t)
-            if mutation == "k_release_after_s": release("K", t)
-        yield from wait_groups(w, 0)
-        if n >= 2 and late_k: release("K", n - 2)
-        group(w, [("K", n - 1)])
-        if mutation == "k_release_at_issue": release("K", n - 1)
-        yield from wait_groups(w, 0)
-        if late_k: release("K", n - 1)
+            yield from r.wait_groups(w, 0)
+            if t >= 2 and late_k: r.release("K", t - 2)
+            yield from r.full(r.kf, t); yield from r.full(r.vf, t)
+            yield from r.nsync(w)
+            r.group(w, [("K", t), ("V", t)]); r.group(w, [("K", t - 1)])
+            if mutation == "k_release_at_issue": r.release("K", t - 1)
+            if w == 0 or t + 1 < n: r.narrive(w)
+            yield from r.wait_groups(w, 1)
+            r.release("V", t)
+            if mutation == "k_release_after_s": r.release("K", t)
+        yield from r.wait_groups(w, 0)
+        if n >= 2 and late_k: r.release("K", n - 2)
+        r.group(w, [("K", n - 1)])
+        if mutation == "k_release_at_issue": r.release("K", n - 1)
+        yield from r.wait_groups(w, 0)
+        if late_k: r.release("K", n - 1)
 
-    steps = _groups_run({"P": producer(), "C0": consumer(0), "C1": consumer(1)}, tma, mma, readers, land, rnd)
-    assert named == [0, 0], f"unconsumed named-barrier arrivals {named}"
-    return steps
+    return KvRing(n, stages).run(consumer, seed)
 
 
 DET_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make run_det_overlap fail)
