@@ -279,20 +279,38 @@ def test_deterministic_bitwise(impl):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs"
 
 
+def deterministic_runs(case, seed, settings, monkeypatch, bwd_impl="ws"):
+    """CASES[case] on fresh inputs through the ws forward and a deterministic backward, as the
+    environment is and then once more after each of `settings` (dicts of variables set in
+    turn): each run's (out, lse, dq, dk, dv)."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=seed + case + random.randrange(1 << 20))
+    runs = []
+    for env in [{}, *settings]:
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        runs.append(run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl=bwd_impl))
+    return runs
+
+
+def assert_same_bits(runs, names, what):
+    """Every run's gradients `names` (of dq, dk, dv) bitwise the first run's, and finite."""
+    for name in names:
+        i = {"dq": 2, "dk": 3, "dv": 4}[name]
+        assert torch.isfinite(runs[0][i]).all(), f"{name}: non-finite elements (unwritten?)"
+        for other in runs[1:]:
+            assert torch.equal(runs[0][i], other[i]), f"{name} differs {what}: rel {rel(runs[0][i], other[i]):.3e}"
+
+
 @gpu
 @pytest.mark.parametrize("case", [0, 2])
 def test_dq_kernel_key_tiles_give_the_same_bits(case, monkeypatch):
     """The deterministic dQ kernel in 128-key steps (default) and in 64-key steps
     (MEGATRON_DUALKV_DQ_KTILE=64) add the same k16 slices in the same key order: bitwise equal dq
     (d = 128 bf16 and d = 64 fp16, partial parent tiles and causal diagonals)."""
-    groups, pad, hq, hkv, d, dtype = CASES[case]
-    seg = make_segments(groups, pad)
-    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=99 + case + random.randrange(1 << 20))
-    wide = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="sm90")
-    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KTILE", "64")
-    narrow = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="sm90")
-    assert torch.isfinite(wide[2]).all(), "dq: non-finite elements"
-    assert torch.equal(wide[2], narrow[2]), f"dq differs between 128- and 64-key steps: rel {rel(wide[2], narrow[2]):.3e}"
+    runs = deterministic_runs(case, 99, [{"MEGATRON_DUALKV_DQ_KTILE": "64"}], monkeypatch, bwd_impl="sm90")
+    assert_same_bits(runs, ["dq"], "between 128- and 64-key steps")
 
 
 @gpu
@@ -301,16 +319,8 @@ def test_wsbwd_dq_kernels_give_the_same_bits(case, monkeypatch):
     """The deterministic ws backward's dQ by the warp-specialized dQ kernel (default, 64-key tiles)
     and by the sm90 one (MEGATRON_DUALKV_DQ_KERNEL=sm90, 128-key steps): the same k16 slices in
     the same key order, so bitwise equal dq; dk, dv come from the same dK/dV kernel."""
-    groups, pad, hq, hkv, d, dtype = CASES[case]
-    seg = make_segments(groups, pad)
-    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=77 + case + random.randrange(1 << 20))
-    ws = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
-    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "sm90")
-    ref = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
-    assert torch.isfinite(ws[2]).all(), "dq: non-finite elements (unwritten?)"
-    assert torch.equal(ws[2], ref[2]), f"dq differs between the ws and the sm90 dQ kernels: rel {rel(ws[2], ref[2]):.3e}"
-    for name, i in (("dk", 3), ("dv", 4)):
-        assert torch.equal(ws[i], ref[i]), f"{name} differs with the dQ kernel"
+    runs = deterministic_runs(case, 77, [{"MEGATRON_DUALKV_DQ_KERNEL": "sm90"}], monkeypatch)
+    assert_same_bits(runs, ["dq", "dk", "dv"], "between the ws and the sm90 dQ kernels")
 
 
 @gpu
@@ -318,21 +328,10 @@ def test_wsbwd_dq_side_stream(monkeypatch):
     """The deterministic mode's dQ kernel on a second stream beside the dK/dV kernel (the default
     where key tiles split, as in case 4, or MEGATRON_DUALKV_DQ_STREAM=1) or after it on one stream
     (MEGATRON_DUALKV_DQ_STREAM=0): bitwise the same gradients (nothing of one kernel is read by the
-    other); any value but auto, 0 and 1 is an error naming the variable."""
-    groups, pad, hq, hkv, d, dtype = CASES[4]
-    seg = make_segments(groups, pad)
-    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=31 + random.randrange(1 << 20))
-    two = run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
-    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "1")
-    forced = run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
-    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "0")
-    one = run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
-    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-        assert torch.equal(two[i], one[i]), f"{name} differs with the dQ kernel on the current stream"
-        assert torch.equal(two[i], forced[i]), f"{name} differs with MEGATRON_DUALKV_DQ_STREAM=1"
-    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "yes")
-    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DQ_STREAM must be"):
-        run_kernel(q, k, v, dout, seg, 0.09, deterministic=True, impl="ws", bwd_impl="ws")
+    other)."""
+    runs = deterministic_runs(4, 31, [{"MEGATRON_DUALKV_DQ_STREAM": "1"}, {"MEGATRON_DUALKV_DQ_STREAM": "0"}],
+                              monkeypatch)
+    assert_same_bits(runs, ["dq", "dk", "dv"], "with the dQ kernel's stream")
 
 
 @gpu
@@ -340,30 +339,22 @@ def test_wsbwd_dq_side_stream(monkeypatch):
 def test_wsbwd_deterministic_overlap(case, monkeypatch):
     """The deterministic dK/dV kernel with the intra-warpgroup overlap (default; 64-row steps) and
     without it (MEGATRON_DUALKV_DET_OVERLAP=0; 80-row steps at head dim 128) add the same 16-row
-    MMA slices in the same order: bitwise equal dk, dv (and dq); any value but 0 and 1 is an error
-    naming the variable."""
+    MMA slices in the same order: bitwise equal dk, dv (and dq)."""
     monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
-    groups, pad, hq, hkv, d, dtype = CASES[case]
-    seg = make_segments(groups, pad)
-    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=57 + case + random.randrange(1 << 20))
-    ovl = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
-    monkeypatch.setenv("MEGATRON_DUALKV_DET_OVERLAP", "0")
-    plain = run_kernel(q, k, v, dout, seg, 1.0 / math.sqrt(d), deterministic=True, impl="ws", bwd_impl="ws")
-    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-        assert torch.isfinite(ovl[i]).all(), f"{name}: non-finite elements (unwritten?)"
-        assert torch.equal(ovl[i], plain[i]), f"{name} differs with the overlap: rel {rel(ovl[i], plain[i]):.3e}"
-    monkeypatch.setenv("MEGATRON_DUALKV_DET_OVERLAP", "on")
-    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DET_OVERLAP must be"):
-        run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
+    runs = deterministic_runs(case, 57, [{"MEGATRON_DUALKV_DET_OVERLAP": "0"}], monkeypatch)
+    assert_same_bits(runs, ["dq", "dk", "dv"], "with the overlap")
 
 
 @gpu
-def test_wsbwd_dq_kernel_names_a_bad_kernel(monkeypatch):
-    """MEGATRON_DUALKV_DQ_KERNEL other than ws or sm90 is an error naming the variable."""
+@pytest.mark.parametrize("var, bad", [("MEGATRON_DUALKV_DQ_KERNEL", "fast"), ("MEGATRON_DUALKV_DQ_STREAM", "yes"),
+                                      ("MEGATRON_DUALKV_DET_OVERLAP", "on")])
+def test_wsbwd_deterministic_names_a_bad_switch(var, bad, monkeypatch):
+    """A deterministic ws backward switch set to a value it does not take is an error naming the
+    variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0 or 1; DET_OVERLAP: 0 or 1)."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=6)
-    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "fast")
-    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DQ_KERNEL must be"):
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(RuntimeError, match=f"{var} must be"):
         run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
 
 
