@@ -46,7 +46,8 @@
 //   q_full[s]: 33 arrivals (lane 0's arrive.expect_tx + the 32 lanes after their lse/delta
 //     stores) + the Q/dO bytes; consumers wait for parity u & 1.
 //   empty[s]: 8 arrivals (lane 0 of each consumer warp) after the step's group B completed (Q, dO,
-//     lse, delta no longer read); the producer waits for parity (u - 1) & 1 before refilling.
+//     lse, delta no longer read; wide steps: dV / dK, before the dQ MMA is issued); the producer
+//     waits for parity (u - 1) & 1 before refilling.
 //   ds_full[b][h]: 128 arrivals (every thread of consumer h after its dS^T stores and
 //     fence.proxy.async); the dQ MMA of step i waits for the use (i - 1) >> 1 of buffer (i-1) & 1.
 //   ds_empty[b][h]: one arrival per warp that reads half h (D = 128: 8, D = 64: 4) after its dQ
@@ -596,6 +597,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         wg_wait<0>();
         reg_fence(dv);
         reg_fence(dk);
+        // the stage is free once dV / dK completed (the dQ MMA reads K and dS^T only): the producer
+        // refills it a dQ MMA sooner (bwd 0.991 on (64, 256, 1024), long shapes level; PERF.md)
+        if (lane == 0) mbar_arrive(empty(st));
         wg_fence();
       }
       issue_dq(dq, sdS + (b ^ 1) * kKVB * QT);
@@ -609,7 +613,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     wg_wait<0>();
     reg_fence(dv);
     reg_fence(dk);
-    if (lane == 0) mbar_arrive(empty(st));  // Q, dO, lse, delta of this stage are no longer read
+    // Q, dO, lse, delta of this stage are no longer read (wide steps with a dQ: released above)
+    if (lane == 0 && !(kWide && kPrev && kDQ)) mbar_arrive(empty(st));
     if constexpr (kPrev && kDQ) {
       reg_fence(dq);
       if (lane == 0) {

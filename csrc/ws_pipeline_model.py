@@ -11,8 +11,9 @@ count the other warpgroup's arrivals. Checked: no deadlock, every MMA reads the 
 the tile it wants, no TMA write lands in a stage an MMA still reads, one phase never mixes two
 tiles' arrivals, and no named-barrier arrival is left over. The backward model splits each
 consumer into thread 0 and the other 127 threads and covers both dQ modes (atomics; TMA
-reduce-add through a staging tile, MEGATRON_DUALKV_WS_DQ=tma), with mutations of the staging
-protocol that it must catch (BWD_MUTATIONS). It models the protocol, not the kernel: change both
+reduce-add through a staging tile, MEGATRON_DUALKV_WS_DQ=tma) and both step widths (64 rows;
+80, the default at head dim 128), with mutations of the staging protocol that it must catch
+(BWD_MUTATIONS). It models the protocol, not the kernel: change both
 together.
 """
 import itertools, random, sys
@@ -54,15 +55,20 @@ BWD_MUTATIONS = {   # mutation -> what the kernel would do wrong (each must make
     "pre_staging_r_arrives": "dQ staging: warps 1-3 only arrive at barrier 6 + cw (do not wait for warp 0's read wait)",
     "staging_e_arrives": "dQ staging: warp 0 only arrives at barrier 4 + cw and issues the reduce before warps 1-3 stored",
     "last_turn_passes": "turns: consumer 1's last section passes the turn on (an arrival nobody consumes)",
+    "wide_release_before_b": "wide steps: the stage is released before dV / dK have completed",
 }
+WIDE_ONLY = {"wide_release_before_b"}  # mutations of the wide walk (checked with wide=True)
 
 
-def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
+def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=False):
     """The ws backward (csrc/dualkv_bwd_ws_sm90.cu): a Q/dO/lse/delta ring of S stages, K/V once,
     tile descriptors in a ring of 8, dS^T in two buffers of two key halves (consumer h writes half
     h) with full / empty mbarriers, and dQ one step behind: step i's second MMA group holds dV, dK
     of step i and dQ of step i-1 (D = 128: both halves of buffer (i-1)&1; D = 64: its own half);
-    the dQ of the last step is a group of its own. turns: the consumers take turns issuing their
+    the dQ of the last step is a group of its own. wide (80-row steps, the default at head dim 128;
+    needs d128 and tma_dq): a ring of 2 stages; dV, dK are a group of their own inside the turn, and
+    dQ of step i-1 is issued outside the turns once they have completed, the stage released
+    between the two. turns: the consumers take turns issuing their
     MMA groups (named barriers 8 + cw). Each consumer warpgroup is two agents: "e" (warp 0, whose
     lane 0 issues the dQ reduces) and "r" (warps 1-3); wgmma is
     warp-synchronous only, so each agent issues and waits for its own part of every MMA. tma_dq:
@@ -74,6 +80,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
     reads it, each reduce reads one step's tile from both agents, turn barriers balanced, nothing
     in flight when the CTA exits, no deadlock."""
     assert mutation is None or mutation in BWD_MUTATIONS
+    assert not wide or (d128 and tma_dq), "wide steps: head dim 128, dQ by TMA"
+    S = 2 if wide else 3
     rnd = random.Random(seed)
     ring = 3 if mutation == "td_ring_3" else 8
     halves_of = lambda w: (0, 1) if d128 else (w,)
@@ -171,19 +179,26 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None):
                 # group B: dV, dK first, then dS^T stores while they run, then dQ of step i - 1
                 yield from take(w, me)
                 readers[st].add((me, i)); mma[me].append(("st", st, i, None))
+                if wide: give(w, me, False)   # the turn covers dV, dK only
                 if i >= 2 and mutation != "no_ds_empty_wait":
                     while not ds_empty[b][w].done(((i - 2) >> 1) & 1): yield
                 assert not ds_readers[b][w], f"WG{w}{ag} step {i} overwrites dS half {w} of buffer {b} under {ds_readers[b][w]}"
                 ds[b][w][ag] = i
                 yield
                 ds_full[b][w].arrive()
-                if i >= 1:
+                if wide and i >= 1:   # dQ outside the turns, once dV, dK have completed
+                    yield from wait_ds_full(w, i - 1)
+                    if mutation != "wide_release_before_b": yield from mma_wait(me)
+                    em[st].arrive()   # the dQ MMA reads K and dS^T only
+                    issue_dq(w, me, i - 1)
+                    mma[me].append(("ds", None, None, i - 1))
+                if i >= 1 and not wide:
                     yield from wait_ds_full(w, i - 1)
                     issue_dq(w, me, i - 1)
                     mma[me].append(("ds", None, None, i - 1))
-                give(w, me, False)
+                if not wide: give(w, me, False)
                 yield from mma_wait(me)
-                em[st].arrive()
+                if not (wide and i >= 1): em[st].arrive()
                 if i >= 1:
                     for h in halves_of(w): ds_empty[(i - 1) & 1][h].arrive()
                     yield from store_dq(w, ag, i - 1)
@@ -249,10 +264,12 @@ def check_bwd_mutations(seeds=300):
         caught = None
         for seed in range(seeds):
             for n, d128, turns in itertools.product((1, 2, 3, 7, 12), (True, False), (True, False)):
+                wide = m in WIDE_ONLY
+                if wide and not d128: continue
                 try:
-                    run_bwd(n, seed, d128, tma_dq=True, turns=turns, mutation=m)
+                    run_bwd(n, seed, d128, tma_dq=True, turns=turns, mutation=m, wide=wide)
                 except AssertionError as e:
-                    caught = f"{e} (n={n}, d128={d128}, turns={turns})"
+                    caught = f"{e} (n={n}, d128={d128}, turns={turns}, wide={wide})"
                     break
                 if caught: break
             if caught: break
@@ -552,6 +569,7 @@ if __name__ == "__main__":
                 for turns in (False, True):
                     run_bwd(n, seed, d128=True, tma_dq=tma_dq, turns=turns)
                     run_bwd(n, seed, d128=False, tma_dq=tma_dq, turns=turns)
+                run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
             run_dq(n, seed)
             run_det_overlap(n, seed)
     check_bwd_mutations()

@@ -1,9 +1,9 @@
 """The warp-specialized kernels' synchronization protocols, replayed on the host under random
-interleavings (csrc/ws_pipeline_model.py): the forward, the backward (both dQ modes), the
-deterministic dK/dV kernel's overlapped walk and the ws dQ kernel. Each run checks that no MMA
-reads a stage holding another tile, that no TMA lands in a stage still read, that the turns
-balance, and that nothing deadlocks. Each mutation (a protocol bug the kernels once had or could
-have) must fail, so the checks are known to bite."""
+interleavings (csrc/ws_pipeline_model.py): the forward, the backward (both dQ modes, 64- and
+80-row steps), the deterministic dK/dV kernel's overlapped walk and the ws dQ kernel. Each run
+checks that no MMA reads a stage holding another tile, that no TMA lands in a stage still read,
+that the turns balance, and that nothing deadlocks. Each mutation (a protocol bug the kernels
+once had or could have) must fail, so the checks are known to bite."""
 import os
 import sys
 
@@ -23,6 +23,7 @@ def test_forward_and_backward_protocols(n):
         for tma_dq in (False, True):
             for d128 in (True, False):
                 model.run_bwd(n, seed, d128=d128, tma_dq=tma_dq)
+        model.run_bwd(n, seed, tma_dq=True, wide=True)  # 80-row steps, the default at head dim 128
 
 
 @pytest.mark.parametrize("n", STEPS)
