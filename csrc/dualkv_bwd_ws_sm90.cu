@@ -58,10 +58,10 @@
 // query rows x 64 dQ columns, 16 or 20 KB, two 32-column halves of QT rows x 128 B, 128-byte swizzled
 // like the tensor map's box). Thread 0 waits until the previous reduce has read the tile
 // (cp.async.bulk.wait_group.read 0), named barrier 6 + cw (warp 0 arrives, warps 1-3 wait), every
-// thread stores its fragment (rows >= qend as zeros: the box covers QT rows); after the consumer
-// has issued its next MMA group (so that the stores land meanwhile): fence.proxy.async, named
-// barrier 4 + cw (warps 1-3 arrive, warp 0 waits), then thread 0 issues two
-// cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. Each barrier blocks only the
+// thread stores its fragment (the box adds all QT rows; rows >= qend hold zeros, their lse being
+// -inf); after the consumer has issued its next MMA group (so that the stores land meanwhile):
+// fence.proxy.async, named barrier 4 + cw (warps 1-3 arrive, warp 0 waits), then thread 0 issues
+// two cp.reduce.async.bulk.tensor (add, fp32) and commits one bulk group. Each barrier blocks only the
 // side that needs the other (bar.arrive releases the arriving threads' prior stores). The box starts
 // at the tile's local row ql (dq_acc holds Tq rows); rows past Tq are dropped by TMA. Before
 // exiting, thread 0 waits for the writes too (wait_group 0). MEGATRON_DUALKV_WS_DQ=atomic: float2
@@ -347,7 +347,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         for (int r = lane; r < QT; r += 32) {
           const bool ok = q0 + r < qend;
           const long idx = (long)h * a.Tq + (ok ? ql + r : 0);
-          sL[st * QT + r] = ok ? -a.lse[idx] * kLog2e : 0.f;  // the consumers' exponent offset, ready
+          // the consumers' exponent offset, ready; -inf past qend masks those query columns for free
+          // (p = exp2(-inf) = 0, so dS = 0 too): a partial step needs no per-element mask
+          sL[st * QT + r] = ok ? -a.lse[idx] * kLog2e : -INFINITY;
           sDl[st * QT + r] = ok ? a.delta[idx] : 0.f;
         }
         mbar_arrive(q_full(st));
@@ -417,43 +419,33 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       else
         named_sync(6 + cw, 128);
       float* stg = sStg + cw * QT * 64;
+      // rows past qend hold dQ = 0 already (their dS is 0: lse = -inf there), which the box adds
       if constexpr (kWide) {
         // dQ^T fragment (dQ column c = warp * 16 + (lane >> 2) (+ 8), query rows r) -> the same
         // staging tile as below, one float per store: per store the 4 rows r = 8j + 2 (lane & 3) +
         // e and 8 columns fall on 8 distinct 16-byte chunks (no bank conflict)
-        // A full tile (most of them) stores without a compare and select per element.
-        auto stage_rows = [&](auto partial) {
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int c = warp * 16 + (lane >> 2) + hh * 8;
-            float* col = stg + (c >> 5) * QT * 32 + (c & 3);
+        for (int hh = 0; hh < 2; ++hh) {
+          const int c = warp * 16 + (lane >> 2) + hh * 8;
+          float* col = stg + (c >> 5) * QT * 32 + (c & 3);
 #pragma unroll
-            for (int j = 0; j < QT / 8; ++j)
+          for (int j = 0; j < QT / 8; ++j)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int r = j * 8 + (lane & 3) * 2 + e;
-                const float v = dq[4 * j + 2 * hh + e];
-                col[r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2)] =
-                    decltype(partial)::value && q0 + r >= qend ? 0.f : v;
-              }
-          }
-        };
-        if (q0 + QT <= qend)
-          stage_rows(std::false_type{});
-        else
-          stage_rows(std::true_type{});
+            for (int e = 0; e < 2; ++e) {
+              const int r = j * 8 + (lane & 3) * 2 + e;
+              col[r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2)] = dq[4 * j + 2 * hh + e];
+            }
+        }
       } else {
         // fragment -> staging tile [half][row][32 floats], 16-byte chunk c of row r at c ^ (r & 7)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int r = warp * 16 + (lane >> 2) + hh * 8;
-          const bool keep = q0 + r < qend;  // the box adds all QT rows: zeros past the range
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const int chunk = ((j & 3) * 2 + ((lane & 3) >> 1)) ^ (r & 7);
             float* dst = stg + (j >> 2) * QT * 32 + r * 32 + chunk * 4 + (lane & 1) * 2;
-            *reinterpret_cast<float2*>(dst) =
-                keep ? make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]) : make_float2(0.f, 0.f);
+            *reinterpret_cast<float2*>(dst) = make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
           }
         }
       }
@@ -509,10 +501,14 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // neighbours' keys to dQ (the causal own rows mask them anyway; the child ranges did not).
   // One branch for the whole tile, not one per element (ptxas kept the `if (msk)` inside the
   // unrolled loop: a branch and a compare per element, ~10 % of the stall samples, docs/PERF.md).
-  // cL holds -lse * log2(e) (the producer), so p is bitwise what exp2(s sl2 - lse log2 e) was.
+  // cL holds -lse * log2(e) (the producer), so p is bitwise what exp2(s sl2 - lse log2 e) was, and
+  // -inf for query columns past qend, so p = 0 there without a mask: a partial step (the last of
+  // most walks on GRPO shapes) takes the unmasked path. (Those columns are another segment's rows:
+  // a NaN there would now reach this tile's sums, where the mask kept it out; finite inputs give
+  // bitwise the masked path's p and dS.)
   auto probs = [&](float(&s)[QT / 2], float(&dp)[QT / 2], const int4 td, const float* cL, const float* cD,
                    auto with_ds) {
-    const int q0 = td.x, qend = td.y;
+    const int q0 = td.x;
     const bool causal = td.w != 0;
     auto run = [&](auto masked) {
 #pragma unroll
@@ -524,13 +520,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
           if constexpr (decltype(masked)::value) {
             const int qrow = q0 + c;
             const int krow = krow_a + (e >> 1) * 8;
-            if (qrow >= qend || krow >= k1 || (causal && qrow < krow)) p = 0.f;
+            if (krow >= k1 || (causal && qrow < krow)) p = 0.f;
           }
           s[4 * j + e] = p;
           if constexpr (decltype(with_ds)::value) dp[4 * j + e] = p * (dp[4 * j + e] - cD[c]);
         }
     };
-    if ((q0 + QT > qend) || (causal && q0 < k0 + kKVB) || tile_short)
+    if ((causal && q0 < k0 + kKVB) || tile_short)
       run(std::true_type{});
     else
       run(std::false_type{});
