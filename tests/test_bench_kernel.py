@@ -71,6 +71,19 @@ def test_backends_take_turns_and_warm_up_is_not_timed(fake_gpu, fwd_only):
     assert res["cuda"]["peak"] == 1.5 and res["cuda"]["notes"] == ["cuda note", "interleaved"]  # inputs once
 
 
+@pytest.mark.parametrize("n, reps", [(2, 25), (2, 15), (3, 9), (3, 10), (1, 5)])
+def test_timed_rounds_put_every_backend_in_every_position_equally_often(n, reps):
+    names = [f"b{i}" for i in range(n)]
+    orders = bench_kernel.round_orders(names, 3, reps)
+    assert len(orders) == 3 + reps and all(sorted(o) == names for o in orders)
+    timed = orders[3:]
+    for pos in range(n):
+        counts = [sum(o[pos] == name for o in timed) for name in names]
+        # whole blocks balance exactly; a last partial block adds at most one to a count
+        assert max(counts) - min(counts) <= (1 if reps % n else 0), (pos, counts)
+    assert n == 1 or len({tuple(o) for o in timed}) > 1  # not one fixed order
+
+
 def test_backend_settings_in_brackets():
     assert bench_kernel.backend_env("flex-flash") == ("flex-flash", {})
     assert bench_kernel.backend_env("cuda[dq=tma]") == ("cuda", {"MEGATRON_DUALKV_WS_DQ": "tma"})

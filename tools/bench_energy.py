@@ -20,7 +20,6 @@ import argparse
 import ctypes
 import math
 import os
-import random
 import statistics
 import sys
 import threading
@@ -128,7 +127,7 @@ def calls_per_block(run, block_s, min_calls=3):
 
 def compare_shape(names, shape, rounds, block_s, nvml, fwd_only, seed=0):
     """{name: {"ms", "mj", "w", "mhz", "calls"} or a status dict}: the backends' blocks in turn,
-    each round in a random order (fixed seed), medians over rounds."""
+    every backend in every position equally often (bench_kernel.round_orders), medians over rounds."""
     data = bk.packed_inputs(shape)
     ready, out = {}, {}
     for name in names:
@@ -142,9 +141,8 @@ def compare_shape(names, shape, rounds, block_s, nvml, fwd_only, seed=0):
     def blocks():
         calls = {name: calls_per_block(run, block_s) for name, run in runs.items()}
         samples = {name: [] for name in ready}
-        rng = random.Random(seed)
-        for _ in range(rounds):
-            for name in rng.sample(list(ready), len(ready)):
+        for order in bk.round_orders(list(ready), 0, rounds, seed):
+            for name in order:
                 samples[name].append(measure_block(runs[name], calls[name], nvml))
         return {name: dict(zip(("ms", "mj", "w", "mhz"), (statistics.median(c) for c in zip(*rows))),
                            calls=calls[name]) for name, rows in samples.items()}

@@ -271,9 +271,9 @@ def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
     """Packed backends timed run by run in turn on the same inputs, so that each sees the same
     clocks and the same data at the same addresses (a card at its power cap changes clock within
     one measurement; inputs placed elsewhere moved one setting's time by up to 3 %: docs/PERF.md,
-    twentieth session). Each round runs every backend once, in an order drawn at random per
-    round (fixed seed): a fixed rotation aliased with a card's clock swinging every 9 runs, and
-    the backend first in the list ran 4 % faster than the same setting third. Peak GiB:
+    twentieth session). Each round runs every backend once, in orders that `round_orders` draws
+    balanced: a fixed rotation aliased with a card's clock swinging every 9 runs, and the backend
+    first in the list ran 4 % faster than the same setting third. Peak GiB:
     each backend's own over one run after its first call, with the inputs counted once, as when
     it runs alone. {name: result or status}."""
     ready, results = {}, {}
@@ -306,12 +306,26 @@ def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
     return {name: results[name] for name in names}
 
 
+def round_orders(names, warmup, reps, seed=0):
+    """The order of each round: `warmup` untimed rounds in random orders, then `reps` timed ones in
+    blocks of len(names) rounds, each block the rotations of one random order, so that every
+    backend runs in every position equally often (up to the last, partial block). Orders drawn
+    independently per round left the position to chance, and on the H100 the second of two runs
+    measured up to ~1 % faster: with 25 rounds the first-listed backend ran first in 10, and the
+    same kernel under two names then differed by 1 % (docs/PERF.md, twenty-fourth session)."""
+    rng = random.Random(seed)
+    orders = [rng.sample(names, len(names)) for _ in range(warmup)]
+    while len(orders) < warmup + reps:
+        block = rng.sample(names, len(names))
+        orders += [block[j:] + block[:j] for j in range(len(names))]
+    return orders[:warmup + reps]
+
+
 def _rounds(ready, warmup, reps, fwd_only):
     """{name: events of its timed runs}: `warmup` untimed rounds, then `reps` timed ones."""
     marks = {name: [] for name in ready}
-    rng = random.Random(0)
-    for i in range(warmup + reps):
-        for name in rng.sample(list(ready), len(ready)):
+    for i, order in enumerate(round_orders(list(ready), warmup, reps)):
+        for name in order:
             e = ready[name].run(fwd_only)
             if i >= warmup:
                 marks[name].append(e)
