@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // unrolled loop: a branch and a compare per element, ~10 % of the stall samples, docs/PERF.md).
   // cL holds -lse * log2(e) (the producer), so p is bitwise what exp2(s sl2 - lse log2 e) was, and
   // -inf for query columns past qend, so p = 0 there without a mask: a partial step (the last of
-  // most walks on GRPO shapes) takes the unmasked path. (Those columns are another segment's rows:
+  // most walks on GRPO shapes) takes the unmasked path. (Those columns are another range's rows:
   // a NaN there would now reach this tile's sums, where the mask kept it out; finite inputs give
   // bitwise the masked path's p and dS.)
   auto probs = [&](float(&s)[QT / 2], float(&dp)[QT / 2], const int4 td, const float* cL, const float* cD,

@@ -13,8 +13,7 @@ tiles' arrivals, and no named-barrier arrival is left over. The backward model s
 consumer into thread 0 and the other 127 threads and covers both dQ modes (atomics; TMA
 reduce-add through a staging tile, MEGATRON_DUALKV_WS_DQ=tma) and both step widths (64 rows;
 80, the default at head dim 128), with mutations of the staging protocol that it must catch
-(BWD_MUTATIONS). It models the protocol, not the kernel: change both
-together.
+(BWD_MUTATIONS). It models the protocol, not the kernel: change both together.
 """
 import itertools, random, sys
 
@@ -68,8 +67,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=Fa
     the dQ of the last step is a group of its own. wide (80-row steps, the default at head dim 128;
     needs d128 and tma_dq): a ring of 2 stages; dV, dK are a group of their own inside the turn, and
     dQ of step i-1 is issued outside the turns once they have completed, the stage released
-    between the two. turns: the consumers take turns issuing their
-    MMA groups (named barriers 8 + cw). Each consumer warpgroup is two agents: "e" (warp 0, whose
+    between the two. turns: the consumers take turns issuing their MMA groups (named barriers
+    8 + cw). Each consumer warpgroup is two agents: "e" (warp 0, whose
     lane 0 issues the dQ reduces) and "r" (warps 1-3); wgmma is
     warp-synchronous only, so each agent issues and waits for its own part of every MMA. tma_dq:
     dQ goes through the consumer's staging tile and a TMA reduce whose smem read and global write
@@ -569,7 +568,7 @@ if __name__ == "__main__":
                 for turns in (False, True):
                     run_bwd(n, seed, d128=True, tma_dq=tma_dq, turns=turns)
                     run_bwd(n, seed, d128=False, tma_dq=tma_dq, turns=turns)
-                run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
+                    if tma_dq: run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
             run_dq(n, seed)
             run_det_overlap(n, seed)
     check_bwd_mutations()

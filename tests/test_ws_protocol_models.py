@@ -23,7 +23,8 @@ def test_forward_and_backward_protocols(n):
         for tma_dq in (False, True):
             for d128 in (True, False):
                 model.run_bwd(n, seed, d128=d128, tma_dq=tma_dq)
-        model.run_bwd(n, seed, tma_dq=True, wide=True)  # 80-row steps, the default at head dim 128
+        for turns in (True, False):  # 80-row steps, the default at head dim 128
+            model.run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
 
 
 @pytest.mark.parametrize("n", STEPS)
