@@ -1,5 +1,5 @@
 """tools/bench_energy.py on the CPU: NVML through ctypes (a fake library), blocks of calls per
-backend taking turns in a random order per round on the same inputs, energy and time per call
+backend taking turns in balanced random orders on the same inputs, energy and time per call
 from the counter and the events, the ratios to the first backend, and the errors it names."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_blocks_take_turns_and_give_energy_and_time_per_call(card):
     sizing = 2 * 3
     blocks = card.log[sizing:]
     assert len(blocks) == 5 * (10 + 12)
-    # rounds in a random order: not always the same backend first
+    # rounds in balanced random orders: not always the same backend first
     firsts, i = set(), 0
     for _ in range(5):
         firsts.add(blocks[i])

@@ -5,8 +5,8 @@ A card at its power limit runs every kernel at the power the limit allows, so th
 call is its energy divided by that power: a kernel that takes fewer cycles but more joules is the
 slower one (docs/PERF.md, twenty-first session). This tool measures both, per backend: blocks of
 back-to-back calls (each block long enough for NVML's energy counter, --block-s), the backends
-of a shape taking turns block by block on the same inputs in a random order per round, as
-bench_kernel.py --interleave does run by run. Per backend and shape it prints the median over
+of a shape taking turns block by block on the same inputs, each in every position equally often
+(bench_kernel.round_orders), as bench_kernel.py --interleave does run by run. Per backend and shape it prints the median over
 rounds of ms per call, mJ per call, mean W and the SM clock sampled during its blocks, and the
 ratios to the first backend.
 
@@ -198,7 +198,7 @@ def main(argv=None):
     header = [f"device: {props.name}; power limit {nvml.power_limit_w():.0f} W; torch {torch.__version__}",
               "command: python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
               f"{'forward' if args.fwd_only else 'forward+backward'} calls; blocks of ~{args.block_s} s, "
-              f"{args.rounds} rounds, backends in a random order per round; medians over rounds"]
+              f"{args.rounds} rounds, backends in balanced random orders; medians over rounds"]
     print("\n".join(header), flush=True)
     torch.manual_seed(0)
     rows = []

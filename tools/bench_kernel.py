@@ -514,8 +514,9 @@ def main(argv=None):
         "command: python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         f"Hq={HQ} Hkv={HKV} d={D} {str(DTYPE).replace('torch.', '')}; warm-up {warmup}, median of {reps} "
         f"(replicated SDPA: warm-up 1, median of {max(2, reps // 2)}); useful TF/s = dedup attention FLOPs / time",
-    ] + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (each "
-          "round in a random order); peak GiB of each from one run of its own"] if args.interleave else [])
+    ] + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (timed "
+          "rounds in random orders that put each backend in each position equally often); peak GiB of "
+          "each from one run of its own"] if args.interleave else [])
     print("\n".join(header), flush=True)
     torch.manual_seed(0)
     state: dict = {}
