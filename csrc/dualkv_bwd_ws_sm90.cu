@@ -23,10 +23,11 @@
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
 // ranges are the key tile's own segment (masked by qrow >= krow), the others its children.
-//   warpgroup 0, producer (setmaxnreg 24): one warp. Lane 0 loads K and V once and, per step,
-//     the Q and dO tiles with TMA into a ring of kStagesB stages (3; 2 with wide steps) and
-//     writes the step's tile descriptor (q0, qend, local row, causal) into a ring of 8; the 32
-//     lanes load the step's lse (stored as -lse * log2 e) and delta values with plain loads into
+//   warpgroup 0, producer (setmaxnreg 24): one warp, the one that orders the steps (a split
+//     list's walks take each query head's tiles last first: DkvArgs::reverse_rows). Lane 0 loads
+//     K and V once and, per step, the Q and dO tiles with TMA into a ring of kStagesB stages (3;
+//     2 with wide steps) and writes the step's tile descriptor (q0, qend, local row, causal) into
+//     a ring of 8; the 32 lanes load the step's lse (stored as -lse * log2 e) and delta values with plain loads into
 //     shared memory and arrive on the stage's mbarrier (release semantics order their st.shared
 //     before the arrival).
 //   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
@@ -230,7 +231,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // grid) into `parts` items of which this is number `part`; its dK/dV go to the fp32 workspace
   // (epilogue below): fast mode, added into slot `slot`; deterministic (!kDQ), stored into slot
   // slot + part, the tile's parts numbering consecutive slots from `slot`
-  // (step i: query head hk * group + i / per_head, its query tile i % per_head)
+  // (step i: query head hk * group + i / per_head, its query tile i % per_head, or with
+  // a.reverse_rows per_head - 1 - i % per_head)
   // or < 0: -1 - phase slot, the walk of a root's key tile whose child ranges come first and are
   // walked from the step other CTAs of this kv head walk now (below)
   const int split = w[7] > 0 ? w[7] : 0;
@@ -321,6 +323,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
         const int h = hk * group + i / per_head;
         int j = i % per_head;
+        // Reversed (a split list, never phase-aligned): the CTAs of one response's rows (the prompt's
+        // parts over them, its own key tiles, each starting at a different row) all start at its
+        // last query tile and walk down together, so they read and reduce the same rows in L2
+        // while the others still need them (cuda_backend's split lists; csrc/ws_l2_model.py)
+        if (a.reverse_rows) j = per_head - 1 - j;
         if (n_kid > 0 && j < n_kid) {
           if (j == 0) {
             int at = 0;
@@ -875,6 +882,11 @@ static cudaError_t bwd_ws_mode(const DeltaArgs& da, const DkvArgs& ka, int dtype
 int ws_dq_mode_from_env() {
   // default tma: 8-18 % faster backward on the published shapes (H100, docs/PERF.md)
   return env_choice("MEGATRON_DUALKV_WS_DQ", {{"tma", 1}, {"atomic", 0}});
+}
+
+int ws_reverse_rows_from_env() {
+  // default: reversed where the list is split (split_slots > 0), as DkvArgs::reverse_rows says
+  return env_choice("MEGATRON_DUALKV_WS_REVERSE_ROWS", {{"auto", 1}, {"0", 0}});
 }
 
 int ws_bwd_query_tile_from_env() {

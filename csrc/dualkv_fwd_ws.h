@@ -36,6 +36,10 @@ int ws_dq_mode_from_env();
 // 80 (unset or empty too), 64, or -1 for any other value (launch_bwd_ws_sm90 then returns
 // cudaErrorInvalidValue). Head dim 64 and the atomic dQ always step by 64 rows.
 int ws_bwd_query_tile_from_env();
+// Whether a split kv list (split_slots > 0) walks each head's query tiles last first
+// (DkvArgs::reverse_rows), from MEGATRON_DUALKV_WS_REVERSE_ROWS: 1 = "auto" (unset or empty too),
+// 0 = "0" (list order, for A/B timings), -1 for any other value.
+int ws_reverse_rows_from_env();
 // The deterministic dK/dV kernel with the intra-warpgroup overlap (its kOverlap instance, 64-row
 // steps), from MEGATRON_DUALKV_DET_OVERLAP: 1 (unset or empty too), 0 = without (the default
 // query tile), -1 = any other value (launch_bwd_ws_sm90 then returns cudaErrorInvalidValue)

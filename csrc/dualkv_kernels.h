@@ -60,6 +60,9 @@ struct DkvArgs : BwdInputs {
   // ws backward, kv items with field 7 < 0: int [slots, hkv], the child step each phase slot's
   // walks are at (any initial value: it only picks where a walk starts)
   int* phase = nullptr;
+  // ws backward: every walk takes each query head's tiles last first (a split list, whose items
+  // are grouped by the response whose rows they walk: they then all start at the response's end)
+  int reverse_rows = 0;
   int num_items;
   int T, hq, hkv;
   int Tq;  // rows of q / dout / lse / delta / dq_acc: T, or fewer for local queries (ws only)

@@ -72,6 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   check_ws_qkv(q, k, v);
   check_env_choice(mdkv::ws_dq_mode_from_env(), "MEGATRON_DUALKV_WS_DQ", "'atomic' or 'tma'");
   check_env_choice(mdkv::ws_bwd_query_tile_from_env(), "MEGATRON_DUALKV_WS_BWD_QTILE", "'64' or '80'");
+  check_env_choice(mdkv::ws_reverse_rows_from_env(), "MEGATRON_DUALKV_WS_REVERSE_ROWS", "'auto' or '0'");
   // kv items and ranges [a, b, loc, causal] of cuda_backend.ws_kv_work
   check_work(kv_work, q, "kv_work", 8);
   check_work(kv_ranges, q, "kv_ranges", 4);
@@ -105,6 +106,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   const mdkv::DeltaArgs da = delta_args(out, in.dout, in.dlse, delta);
   mdkv::DkvArgs ka = dkv_args(q, k, v, in.dout, lse, delta, dk, dv, kv_work, kv_ranges, dq_acc, scale);
   if (acc.defined()) ka.phase = reinterpret_cast<int*>(acc.data_ptr<float>() + q.numel());
+  // a split list is grouped by response (cuda_backend.split_by_rows) and has no phase-aligned walk
+  ka.reverse_rows = split_slots > 0 && mdkv::ws_reverse_rows_from_env() == 1;
   // dK/dV of the key tiles split by query rows, and their tickets: fast mode, one slot of sums per
   // split tile (zeroed: parts add into it); deterministic, one slot per part (each part stores its
   // whole slot before the last part reads it)

@@ -15,9 +15,10 @@ schedule, for a 25 MB cache (jitter 0.05), a 35 MB one and a 25 MB one with jitt
 - one CTA per (key tile, query head) (flash-attn-4's backward grid): key tiles heaviest first
   or in row order, query-head-major;
 - the committed lists (cuda_backend.ws_kv_work with the split: key tiles that would outlast the
-  grid split by query rows and the list grouped by response; else the phase-aligned walks: each
-  head's walk over a prompt's children starts where the last CTA of its kv head was) in the
-  kernel's two-band order.
+  grid split by query rows and the list grouped by response, each walk taking a head's query
+  tiles last first; else the phase-aligned walks: each head's walk over a prompt's children starts
+  where the last CTA of its kv head was) in the kernel's two-band order; for a split list also in
+  list order (before the reversed walks).
 
 What it is good for: ranking schedules, not absolute numbers. It predicted the kv-head-major
 order's gain (25 MB, jitter 0.05: 90 % -> 24 % misses); measured with ncu on the H100, (16, 32768,
@@ -36,7 +37,7 @@ import random
 import sys
 
 from megatron_dualkv.layout import SegmentTable
-from megatron_dualkv.ops.cuda_backend import ws_kv_work
+from megatron_dualkv.ops.cuda_backend import split_slots, ws_kv_work
 
 TILE = 64
 
@@ -101,7 +102,8 @@ def head_blocks(items, hq, row_order):
     return [(it, (h,)) for h in range(hq) for it in idx]
 
 
-def miss_rate(items, ranges, blocks, kids_first, heads_inner, cache_mb, jitter, sms=132, seed=0):
+def miss_rate(items, ranges, blocks, kids_first, heads_inner, cache_mb, jitter, sms=132, seed=0, reverse=False):
+    """reverse: each head's query tiles last first (the kernel's walks of a split list)."""
     rnd = random.Random(seed)
     cap = int(cache_mb * 1024 / 64)
     lru, misses, touches = collections.OrderedDict(), 0, 0
@@ -109,8 +111,9 @@ def miss_rate(items, ranges, blocks, kids_first, heads_inner, cache_mb, jitter, 
 
     def start(b, t):
         it, heads = blocks[b]
+        tiles = query_tiles(items[it], ranges, kids_first)
         walk = (phase_walk(items[it], ranges, heads, pos) if items[it][7] < 0 else
-                cta_walk(query_tiles(items[it], ranges, kids_first), heads, heads_inner))
+                cta_walk(tiles[::-1] if reverse else tiles, heads, heads_inner))
         heapq.heappush(heap, (t, next(tie), walk, 1.0 + rnd.uniform(-jitter, jitter)))
 
     while nxt < min(sms, len(blocks)):
@@ -153,11 +156,17 @@ def main() -> None:
     print(f"(N, P, R) = ({n}, {p}, {r}), Hq = {hq}, Hkv = {hkv}: miss rate of the (Q/dO + dQ) tiles")
     print("| grid / block order | ranges | heads | 25 MB | 35 MB | 25 MB, jitter 0.15 |")
     print("|---|---|---|---|---|---|")
+    # a split list's walks take each head's query tiles last first (dkdv_ws_kernel, reverse_rows)
+    split = split_slots(s_items) > 0
     schedules.append(("committed (bands, split by rows when a tile outlasts the grid, else phase-aligned walks)",
                       banded_blocks(s_items, hkv, group), False, False))
+    if split:
+        schedules.append(("committed, the split list's walks in list order (MEGATRON_DUALKV_WS_REVERSE_ROWS=0)",
+                          banded_blocks(s_items, hkv, group), False, False))
     for name, blocks, kids_first, heads_inner in schedules:
         its, rgs = (s_items, s_ranges) if name.startswith("committed") else (items, ranges)
-        rates = [miss_rate(its, rgs, blocks, kids_first, heads_inner, mb, jit)
+        reverse = split and name.startswith("committed (")
+        rates = [miss_rate(its, rgs, blocks, kids_first, heads_inner, mb, jit, reverse=reverse)
                  for mb, jit in ((25, 0.05), (35, 0.05), (25, 0.15))]
         walk = "-" if len(blocks[0][1]) == 1 else ("inner" if heads_inner else "outer")
         print(f"| {name} | {'children first' if kids_first else 'own first'} | {walk} | "

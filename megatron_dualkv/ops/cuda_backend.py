@@ -328,7 +328,12 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     inside one, in one band (field 5 = 0): the parts of the prompt's tiles run next to the
     response's own key tiles, which walk the same query rows, so Q, dO and dQ are shared in L2
     (modelled L2 misses 83 -> 35 % on (64, 256, 1024), 52 -> 15 % on (16, 512, 1024);
-    docs/PERF.md, thirteenth session). Without a split, items and ranges come back unchanged."""
+    docs/PERF.md, thirteenth session). The kernel walks a split list's query tiles last first
+    (bwd_ws_sm90 with split_slots > 0; MEGATRON_DUALKV_WS_REVERSE_ROWS=0 keeps list order), so the
+    neighbours, which start at different rows of a response, all start at its end and walk down
+    together: modelled misses 35 -> 16 % on (64, 256, 1024); measured bwd 0.2-2.3 % faster on GRPO
+    shapes (docs/PERF.md, twenty-fifth session). Without a split, items and ranges come back
+    unchanged."""
     cta = lambda it: it[4] * group + WS_CTA_OVERHEAD  # noqa: E731  (64-row steps of one CTA, + start)
     ideal = sum(cta(it) for it in items) * hkv / sms
     if not items or max(cta(it) for it in items) <= WS_SPLIT_AT * ideal:

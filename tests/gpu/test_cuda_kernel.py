@@ -450,6 +450,32 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
+    """A split list's walks take each head's query tiles last first (the default) or in list order
+    (MEGATRON_DUALKV_WS_REVERSE_ROWS=0); only the order of the sums differs: same inputs, dk, dv
+    within fp32-sum rounding of each other and dq within bf16 rounding, all no worse against
+    float64; deterministic mode bitwise reproducible reversed. The parts hold several short
+    responses (a part's ranges searched from its last one down) and a 2048-row response is cut."""
+    seg = make_segments([(1999, [1, 700, 64, 2048]), (130, [17] * 16)], pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=deterministic))
+    assert work.ws_split_slots > 0, "the layout splits no key tile"
+    rev = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    if deterministic:
+        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
+        for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+            assert torch.equal(rev[i], again[i]), f"{name} differs between two deterministic runs"
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_REVERSE_ROWS", "0")
+    listed = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    ex = exact(q, k, v, dout, seg, 0.1)
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.isfinite(rev[i]).all(), f"{name}: non-finite elements (unwritten?)"
+        assert rel(rev[i], listed[i]) < 1e-2, f"{name}: rel {rel(rev[i], listed[i]):.3e} vs list order"
+        assert rel(rev[i], ex[i]) <= rel(listed[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+
+
+@gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_local_queries(case):
     """Local queries (context parallelism): q holds some packed rows, k and v all of them. The ws
@@ -563,7 +589,8 @@ def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("var", ["MEGATRON_DUALKV_WS_BWD_QTILE", "MEGATRON_DUALKV_WS_DQ"])
+@pytest.mark.parametrize("var", ["MEGATRON_DUALKV_WS_BWD_QTILE", "MEGATRON_DUALKV_WS_DQ",
+                                 "MEGATRON_DUALKV_WS_REVERSE_ROWS"])
 def test_ws_backward_names_a_bad_switch(var, monkeypatch):
     seg = make_segments([(100, [30, 7])])
     t = seg.num_tokens
