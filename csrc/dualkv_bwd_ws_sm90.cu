@@ -268,6 +268,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  // deterministic mode: the dQ kernel, a programmatic dependent launch behind this one, may start
+  // as soon as every CTA of this grid has started (it reads nothing this kernel writes)
+  if constexpr (!kDQ) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);

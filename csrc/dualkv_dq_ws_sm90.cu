@@ -211,10 +211,17 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     const int row = row_a + r * 8;
     store_frag_row_x4<T, D>(dqg, qs, row, lane, dq, r, a.scale, row < tile.q1);
   }
+  // A programmatic dependent of the dK/dV kernel may finish before it; the stream's next work
+  // waits only for this grid, so the CTA that finishes last waits for the dK/dV grid first.
+  if (a.pdl_ticket != nullptr) {
+    named_sync(kSchedBar + 2, 256);  // both consumers have stored
+    if (threadIdx.x == 128 && atomicAdd(a.pdl_ticket, 1) == (int)gridDim.x - 1)
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  }
 }
 
 template <typename T, int D>
-static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t stream) {
+static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t stream, bool pdl) {
   using L = Smem<T, D>;
   auto k = dq_ws_kernel<T, D>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
@@ -225,8 +232,22 @@ static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t
   if (!make_map(&mq, a.q, dt, D, a.hq, a.T, kBQ, es) || !make_map(&mdo, a.dout, dt, D, a.hq, a.T, kBQ, es) ||
       !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) || !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
-  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mdo, mk, mv, a);
-  return cudaGetLastError();
+  if (!pdl) {
+    k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mdo, mk, mv, a);
+    return cudaGetLastError();
+  }
+  // its CTAs may start once every CTA of the kernel before it has started (griddepcontrol.launch_dependents)
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)a.num_items * a.hq);
+  cfg.blockDim = dim3(kThreadsWS);
+  cfg.dynamicSmemBytes = L::kBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, k, mq, mdo, mk, mv, a);
 }
 
 }  // namespace dqws
@@ -234,15 +255,15 @@ static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t
 int dq_kernel_from_env() { return env_choice("MEGATRON_DUALKV_DQ_KERNEL", {{"ws", 1}, {"sm90", 0}}); }
 
 int dq_side_stream_from_env() {
-  return env_choice("MEGATRON_DUALKV_DQ_STREAM", {{"auto", 2}, {"1", 1}, {"0", 0}});
+  return env_choice("MEGATRON_DUALKV_DQ_STREAM", {{"auto", 2}, {"1", 1}, {"0", 0}, {"pdl", 3}});
 }
 
-cudaError_t launch_dq_ws_sm90(const DqArgs& a, int dtype, int d, cudaStream_t stream) {
+cudaError_t launch_dq_ws_sm90(const DqArgs& a, int dtype, int d, cudaStream_t stream, bool pdl) {
   constexpr auto bf = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, hf = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  if (dtype == kBF16 && d == 128) return dqws::dq_ws_t<__nv_bfloat16, 128>(a, bf, stream);
-  if (dtype == kBF16 && d == 64) return dqws::dq_ws_t<__nv_bfloat16, 64>(a, bf, stream);
-  if (dtype == kFP16 && d == 128) return dqws::dq_ws_t<__half, 128>(a, hf, stream);
-  if (dtype == kFP16 && d == 64) return dqws::dq_ws_t<__half, 64>(a, hf, stream);
+  if (dtype == kBF16 && d == 128) return dqws::dq_ws_t<__nv_bfloat16, 128>(a, bf, stream, pdl);
+  if (dtype == kBF16 && d == 64) return dqws::dq_ws_t<__nv_bfloat16, 64>(a, bf, stream, pdl);
+  if (dtype == kFP16 && d == 128) return dqws::dq_ws_t<__half, 128>(a, hf, stream, pdl);
+  if (dtype == kFP16 && d == 64) return dqws::dq_ws_t<__half, 64>(a, hf, stream, pdl);
   return cudaErrorInvalidValue;
 }
 

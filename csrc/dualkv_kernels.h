@@ -42,6 +42,9 @@ struct BwdInputs {
 struct DqArgs : BwdInputs {
   void* dq;
   const int* work;  // row items (same list as the forward)
+  // ws dQ kernel launched as a programmatic dependent of the dK/dV kernel: a zeroed int; the CTA
+  // that takes the last ticket waits for the dK/dV grid, so the dQ grid never completes first
+  int* pdl_ticket = nullptr;
   int num_items;
   int T, hq, hkv;
   float scale, scale_log2;
@@ -91,13 +94,17 @@ int dq_key_tile_from_env();
 // The deterministic dQ kernel, warp-specialized (csrc/dualkv_dq_ws_sm90.cu): same items, math and
 // accumulation order as launch_dq_sm90's (bitwise the same dQ); q, dout, k, v 16-byte aligned (TMA).
 // Returns cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.
-cudaError_t launch_dq_ws_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream);
+// pdl: launched as a programmatic dependent launch of the kernel before it in the stream (the
+// deterministic dK/dV kernel, which lets it start once all its CTAs have started); qa.pdl_ticket set.
+cudaError_t launch_dq_ws_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stream, bool pdl = false);
 // Which dQ kernel the ws backward's deterministic mode runs, from MEGATRON_DUALKV_DQ_KERNEL (read at
 // every launch): 1 = "ws" (unset or empty too), 0 = "sm90", -1 = any other value
 int dq_kernel_from_env();
-// Whether the ws backward's deterministic mode runs its dQ kernel on a second stream beside the
-// dK/dV kernel (both need only delta), from MEGATRON_DUALKV_DQ_STREAM: 2 = "auto" (unset or empty
-// too: where the kv list splits key tiles), 1 = always, 0 = never, -1 = any other value
+// Whether the ws backward's deterministic mode runs its dQ kernel beside the dK/dV kernel (both
+// need only delta), from MEGATRON_DUALKV_DQ_STREAM: 2 = "auto" (unset or empty too: where the kv
+// list splits key tiles, as "pdl", or as "1" under CUDA_DEVICE_MAX_CONNECTIONS=1), 1 = on a second
+// stream, 3 = "pdl" (a programmatic dependent launch behind the dK/dV kernel on the same stream),
+// 0 = after it, -1 = any other value
 int dq_side_stream_from_env();
 cudaError_t launch_bwd(const DeltaArgs& da, const DqArgs& qa, const DkvArgs& ka, int dtype, int d,
                        cudaStream_t stream);

@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
                 " query rows (its dQ kernel has no local queries); q holds ", q.size(0));
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
     check_env_choice(mdkv::dq_kernel_from_env(), "MEGATRON_DUALKV_DQ_KERNEL", "'ws' or 'sm90'");
-    check_env_choice(mdkv::dq_side_stream_from_env(), "MEGATRON_DUALKV_DQ_STREAM", "'auto', '0' or '1'");
+    check_env_choice(mdkv::dq_side_stream_from_env(), "MEGATRON_DUALKV_DQ_STREAM", "'auto', '0', '1' or 'pdl'");
     check_env_choice(mdkv::det_overlap_from_env(), "MEGATRON_DUALKV_DET_OVERLAP", "'0' or '1'");
     if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
   }
@@ -128,13 +128,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   }
   // Deterministic: delta, then the dK/dV kernel and the dQ kernel, which need nothing of each
   // other. Where key tiles are split (short prompts, many responses: many short CTAs) the dQ
-  // kernel runs on a second stream and its CTAs fill the SMs the dK/dV kernel leaves idle: 1-13 %
-  // faster backward on GRPO shapes; on the long shapes, which split nothing, -0.7 to +4 %
-  // (docs/PERF.md, twenty-third session). The current stream waits for it before returning, so
-  // every tensor used there is ordered before its memory can be reused.
+  // kernel's CTAs fill the SMs the dK/dV kernel's last wave leaves idle (on the long shapes, which
+  // split nothing, -0.7 to +4 %: docs/PERF.md, twenty-third session). Either as a programmatic
+  // dependent launch behind it on this stream ("pdl"; its CTAs start once every dK/dV CTA has
+  // started), or on a second stream that this one then waits for, so that every tensor used there
+  // is ordered before its memory can be reused. auto: pdl, except under
+  // CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue). On a second stream with the default 8
+  // queues the backward was bimodal (some calls as slow as one kernel after the other: dQ CTAs
+  // started among the long dK/dV ones), pdl 0.87-1.00x of it and 0.79-0.95x of serial on GRPO
+  // shapes; under one queue the second stream was never slow and 0.3-0.8 % faster than pdl
+  // (docs/PERF.md, twenty-fifth session).
+  const int side_mode = mdkv::dq_side_stream_from_env();  // 2 auto, 1 second stream, 0 serial, 3 pdl
+  const bool overlap = side_mode == 1 || side_mode == 3 || (side_mode == 2 && split_slots > 0);
+  const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const bool one_queue = queues != nullptr && std::atoi(queues) == 1;
+  const bool pdl = overlap && (side_mode == 3 || (side_mode == 2 && !one_queue)) && mdkv::dq_kernel_from_env() == 1 &&
+                   kv_work.size(0) > 0;  // (the dQ kernel must follow the dK/dV kernel, which reads delta's output)
+  const bool side = overlap && !pdl;
+  at::Tensor ticket;
+  if (pdl) ticket = at::zeros({1}, q.options().dtype(at::kInt));  // before delta: no kernel between the two
   check_launch(mdkv::launch_delta(da, dtype_code(q), q.size(2), stream), "bwd_ws_sm90 (delta)", false);
-  const int side_mode = mdkv::dq_side_stream_from_env();
-  const bool side = side_mode == 1 || (side_mode == 2 && split_slots > 0);
   const c10::cuda::CUDAStream dq_stream = side ? c10::cuda::getStreamFromPool(false, q.device().index()) : stream;
   at::cuda::CUDAEvent delta_ready, dq_done;
   if (side) {
@@ -143,9 +156,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   }
   // dK/dV first: its list starts with the longest CTAs, which should not wait behind dQ's
   check_launch(mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), stream, true), "bwd_ws_sm90", true);
-  const mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
+  mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
+  if (pdl) qa.pdl_ticket = ticket.data_ptr<int>();
   if (mdkv::dq_kernel_from_env() == 1)
-    check_launch(mdkv::launch_dq_ws_sm90(qa, dtype_code(q), q.size(2), dq_stream), "bwd_ws_sm90 (dq_ws)", true);
+    check_launch(mdkv::launch_dq_ws_sm90(qa, dtype_code(q), q.size(2), dq_stream, pdl), "bwd_ws_sm90 (dq_ws)", true);
   else
     check_launch(mdkv::launch_dq_sm90(qa, dtype_code(q), q.size(2), dq_stream), "bwd_ws_sm90 (dq)", false);
   if (side) {

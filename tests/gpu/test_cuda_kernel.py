@@ -325,10 +325,10 @@ def test_wsbwd_dq_kernels_give_the_same_bits(case, monkeypatch):
 
 @gpu
 def test_wsbwd_dq_side_stream(monkeypatch):
-    """The deterministic mode's dQ kernel on a second stream beside the dK/dV kernel (the default
-    where key tiles split, as in case 4, or MEGATRON_DUALKV_DQ_STREAM=1) or after it on one stream
-    (MEGATRON_DUALKV_DQ_STREAM=0): bitwise the same gradients (nothing of one kernel is read by the
-    other)."""
+    """The deterministic mode's dQ kernel on a second stream beside the dK/dV kernel
+    (MEGATRON_DUALKV_DQ_STREAM=1) or after it on one stream (MEGATRON_DUALKV_DQ_STREAM=0), and the
+    default where key tiles split, as in case 4 (a programmatic dependent launch): bitwise the same
+    gradients (nothing of one kernel is read by the other)."""
     runs = deterministic_runs(4, 31, [{"MEGATRON_DUALKV_DQ_STREAM": "1"}, {"MEGATRON_DUALKV_DQ_STREAM": "0"}],
                               monkeypatch)
     assert_same_bits(runs, ["dq", "dk", "dv"], "with the dQ kernel's stream")
@@ -350,7 +350,7 @@ def test_wsbwd_deterministic_overlap(case, monkeypatch):
                                       ("MEGATRON_DUALKV_DET_OVERLAP", "on")])
 def test_wsbwd_deterministic_names_a_bad_switch(var, bad, monkeypatch):
     """A deterministic ws backward switch set to a value it does not take is an error naming the
-    variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0 or 1; DET_OVERLAP: 0 or 1)."""
+    variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0, 1 or pdl; DET_OVERLAP: 0 or 1)."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=6)
     monkeypatch.setenv(var, bad)
@@ -473,6 +473,40 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
         assert torch.isfinite(rev[i]).all(), f"{name}: non-finite elements (unwritten?)"
         assert rel(rev[i], listed[i]) < 1e-2, f"{name}: rel {rel(rev[i], listed[i]):.3e} vs list order"
         assert rel(rev[i], ex[i]) <= rel(listed[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+
+
+@gpu
+@pytest.mark.parametrize("case", [1, 3, 4])  # the layouts whose key tiles split (CASES)
+@pytest.mark.parametrize("mode", ["auto", "auto, one queue", "pdl", "1"])
+def test_wsbwd_deterministic_dq_beside_dkdv(case, mode, monkeypatch):
+    """The deterministic backward's dQ kernel beside its dK/dV kernel (MEGATRON_DUALKV_DQ_STREAM:
+    "pdl", a programmatic dependent launch on the same stream, auto's choice; "1", a second
+    stream, auto's under CUDA_DEVICE_MAX_CONNECTIONS=1) gives bitwise what the two one after the
+    other give ("0"), and the stream's next work sees both kernels complete: copies enqueued right
+    behind the backward equal the gradients read after a device synchronize (a dQ grid finishing
+    before the dK/dV grid would show as a stale dk or dv copy)."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=3030 + case + random.randrange(1 << 20))
+
+    def run():
+        qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        out = cuda_backend.attention(qq, kk, vv, seg, 0.1, deterministic=True, fwd_impl="ws", bwd_impl="ws")
+        grads = torch.autograd.grad(out, (qq, kk, vv), dout)
+        early = [g.clone() for g in grads]  # on the stream, right behind the backward's kernels
+        torch.cuda.synchronize()
+        return early, grads
+
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "0")
+    _, serial = run()
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", mode.split(",")[0])
+    if mode == "auto, one queue":  # read at every call (the process keeps its queues)
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for _ in range(3):
+        early, grads = run()
+        for name, e, g, ref in zip(("dq", "dk", "dv"), early, grads, serial):
+            assert torch.equal(e, g), f"{name}: the copy taken behind the backward differs (a kernel still running)"
+            assert torch.equal(g, ref), f"{name} differs from the serial launches' (mode {mode})"
 
 
 @gpu
