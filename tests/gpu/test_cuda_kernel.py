@@ -510,6 +510,49 @@ def test_wsbwd_deterministic_dq_beside_dkdv(case, mode, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("mode", ["fast", "deterministic", "deterministic, second stream"])
+def test_wsbwd_replays_in_a_cuda_graph(mode, monkeypatch):
+    """Forward and backward captured in a CUDA graph (after an eager warm-up that builds the work
+    lists) and replayed on new inputs copied into the captured ones: the deterministic backward (its
+    dQ kernel a programmatic dependent launch, or on a second stream) bitwise what eager gives on
+    those inputs, the fast one within fp32-sum rounding; the layout splits key tiles (CASES[4])."""
+    if mode.endswith("second stream"):
+        monkeypatch.setenv("MEGATRON_DUALKV_DQ_STREAM", "1")
+    deterministic = mode != "fast"
+    groups, pad, hq, hkv, d, dtype = CASES[4]
+    seg = make_segments(groups, pad)
+    first = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=random.randrange(1 << 20))
+    second = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=random.randrange(1 << 20))
+    qq, kk, vv, do = (x.clone().requires_grad_(i < 3) for i, x in enumerate(first))
+
+    def step():
+        out = cuda_backend.attention(qq, kk, vv, seg, 0.1, deterministic=deterministic, fwd_impl="ws", bwd_impl="ws")
+        return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch's graph docs ask
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for dst, src in zip((qq, kk, vv, do), second):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, eager):
+        assert torch.isfinite(got).all(), f"{name}: non-finite elements after the replay"
+        if deterministic or name == "out":
+            assert torch.equal(got, want), f"{name} replayed differs from eager: rel {rel(got, want):.3e}"
+        else:
+            assert rel(got, want) < 1e-2, f"{name} replayed: rel {rel(got, want):.3e} vs eager"
+
+
+@gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_local_queries(case):
     """Local queries (context parallelism): q holds some packed rows, k and v all of them. The ws
