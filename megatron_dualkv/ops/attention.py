@@ -11,8 +11,10 @@ only some rows while k, v hold all of them. Every backend says whether it takes 
 fast-mode backward); a backend that does not is skipped with its reason.
 
 `deterministic=True` (Megatron: `config.deterministic_mode`) asks the cuda kernel for its bitwise
-reproducible backward (dQ by a kernel of its own instead of fp32 atomics; 1.02-1.13x the fast
-backward's time on the H100, docs/PERF.md "Twenty-third session"). flex and reference take no such mode: they run as they are.
+reproducible backward (dQ by a kernel of its own instead of fp32 atomics; on the H100 1.02-1.13x
+the fast backward's time on the published shapes, 0.89-1.03x on GRPO shapes: docs/PERF.md,
+"Twenty-third session", "Twenty-fifth session"). flex and reference take no such mode: they run as
+they are.
 """
 
 from __future__ import annotations
