@@ -27,9 +27,9 @@
 //     list's walks take each query head's tiles last first: DkvArgs::reverse_rows). Lane 0 loads
 //     K and V once and, per step, the Q and dO tiles with TMA into a ring of kStagesB stages (3;
 //     2 with wide steps) and writes the step's tile descriptor (q0, qend, local row, causal) into
-//     a ring of 8; the 32 lanes load the step's lse (stored as -lse * log2 e) and delta values with plain loads into
-//     shared memory and arrive on the stage's mbarrier (release semantics order their st.shared
-//     before the arrival).
+//     a ring of 8; the 32 lanes load the step's lse (stored as -lse * log2 e) and delta values
+//     with plain loads into shared memory and arrive on the stage's mbarrier (release semantics
+//     order their st.shared before the arrival).
 //   warpgroups 1, 2, consumers (setmaxnreg 240): 64 key rows each, dK and dV in registers.
 //     Step i: group A = S^T = K Q^T, dP^T = V dO^T (wgmma); P^T and dS^T in registers; group B =
 //     dV += P^T dO, dK += dS^T Q (register A), issued first, then (while they run) dS^T into this

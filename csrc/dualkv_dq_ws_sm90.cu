@@ -212,9 +212,10 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     store_frag_row_x4<T, D>(dqg, qs, row, lane, dq, r, a.scale, row < tile.q1);
   }
   // A programmatic dependent of the dK/dV kernel may finish before it; the stream's next work
-  // waits only for this grid, so the CTA that finishes last waits for the dK/dV grid first.
+  // waits only for this grid, so the CTA that takes the last ticket waits for the dK/dV grid
+  // before it exits (the grid completes only when every CTA has exited).
   if (a.pdl_ticket != nullptr) {
-    named_sync(kSchedBar + 2, 256);  // both consumers have stored
+    named_sync(kSchedBar + 2, 256);  // one ticket per CTA, taken once both consumers have stored
     if (threadIdx.x == 128 && atomicAdd(a.pdl_ticket, 1) == (int)gridDim.x - 1)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
   }

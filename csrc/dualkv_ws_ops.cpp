@@ -142,8 +142,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   const bool overlap = side_mode == 1 || side_mode == 3 || (side_mode == 2 && split_slots > 0);
   const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   const bool one_queue = queues != nullptr && std::atoi(queues) == 1;
+  // (kv items: the dK/dV kernel is launched, so the dQ kernel may overlap it and not delta, whose
+  // output it reads)
   const bool pdl = overlap && (side_mode == 3 || (side_mode == 2 && !one_queue)) && mdkv::dq_kernel_from_env() == 1 &&
-                   kv_work.size(0) > 0;  // (the dQ kernel must follow the dK/dV kernel, which reads delta's output)
+                   kv_work.size(0) > 0;
   const bool side = overlap && !pdl;
   at::Tensor ticket;
   if (pdl) ticket = at::zeros({1}, q.options().dtype(at::kInt));  // before delta: no kernel between the two
