@@ -144,8 +144,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   const bool one_queue = queues != nullptr && std::atoi(queues) == 1;
   // (kv items: the dK/dV kernel is launched, so the dQ kernel may overlap it and not delta, whose
   // output it reads)
-  const bool pdl = overlap && (side_mode == 3 || (side_mode == 2 && !one_queue)) && mdkv::dq_kernel_from_env() == 1 &&
-                   kv_work.size(0) > 0;
+  const bool ws_dq = mdkv::dq_kernel_from_env() == 1;  // else the sm90 dQ kernel (no dependent launch)
+  const bool pdl = overlap && (side_mode == 3 || (side_mode == 2 && !one_queue)) && ws_dq && kv_work.size(0) > 0;
   const bool side = overlap && !pdl;
   at::Tensor ticket;
   if (pdl) ticket = at::zeros({1}, q.options().dtype(at::kInt));  // before delta: no kernel between the two
@@ -160,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   check_launch(mdkv::launch_bwd_ws_sm90(da, ka, dtype_code(q), q.size(2), stream, true), "bwd_ws_sm90", true);
   mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
   if (pdl) qa.pdl_ticket = ticket.data_ptr<int>();
-  if (mdkv::dq_kernel_from_env() == 1)
+  if (ws_dq)
     check_launch(mdkv::launch_dq_ws_sm90(qa, dtype_code(q), q.size(2), dq_stream, pdl), "bwd_ws_sm90 (dq_ws)", true);
   else
     check_launch(mdkv::launch_dq_sm90(qa, dtype_code(q), q.size(2), dq_stream), "bwd_ws_sm90 (dq)", false);
