@@ -120,3 +120,31 @@ def test_a_failure_while_the_rounds_run_is_each_backends_row(fake_gpu, monkeypat
     assert list(res) == ["flex-triton", "cuda", "flex-flash"]  # the order asked for
     assert res["flex-triton"]["status"] == "n/a"
     assert res["cuda"] == res["flex-flash"] == {"status": "OOM", "why": "out of GPU memory"}
+
+
+def test_spread_gives_unequal_responses_of_mean_r_and_flops_of_those_lengths(monkeypatch):
+    lengths = bench_kernel.response_lengths(16, 8192, 0.9)
+    assert len(lengths) == 16 and sum(lengths) == 16 * 8192
+    assert min(lengths) < 8192 * 0.2 and max(lengths) > 8192 * 1.8
+    assert lengths != sorted(lengths)  # shuffled: the longest responses are not all at the end
+    assert lengths == bench_kernel.response_lengths(16, 8192, 0.9)  # the same for every backend
+    assert bench_kernel.response_lengths(3, 5, 0) == [5, 5, 5]
+    assert bench_kernel.response_lengths(1, 100, 0.5) == [100]
+    assert min(bench_kernel.response_lengths(64, 2, 0.99)) == 1
+    with pytest.raises(ValueError, match="spread"):
+        bench_kernel.response_lengths(4, 100, 1.0)
+
+    res = dict(fwd=1.0, bwd=2.0, fb=3.0, peak=1.0, notes=[])
+    equal = bench_kernel.row_for((16, 1024, 8192), "cuda", res)
+    monkeypatch.setattr(bench_kernel, "SPREAD", 0.9)
+    spread = bench_kernel.row_for((16, 1024, 8192), "cuda", res)
+    assert equal[3] == spread[3] == 1024 + 16 * 8192  # same tokens
+    # causal work grows with the square of a response's length: unequal lengths do more of it
+    assert int(spread[8]) > int(equal[8])
+    with pytest.raises(bench_kernel.Skip, match="equal response lengths"):
+        bench_kernel.run_replicated("sdpa-flash", (16, 1024, 8192), 1, 2, {})
+
+
+def test_spread_out_of_range_is_named():
+    with pytest.raises(SystemExit, match="--spread"):
+        bench_kernel.main(["--spread", "1.5"])

@@ -29,6 +29,8 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
       --backends "cuda[MEGATRON_DUALKV_WS_FWD_TILE=128],cuda[MEGATRON_DUALKV_WS_FWD_TILE=176]"
       # two settings of the cuda backend timed run by run in turn, in one process
   python tools/bench_kernel.py --interleave --backends "cuda,cuda[deterministic=1]"   # fast vs deterministic backward
+  python tools/bench_kernel.py --shapes 16x1024x8192 --spread 0.9 --backends cuda,flex-flash
+      # responses of unequal lengths, R (1 - 0.9) to R (1 + 0.9) in a fixed shuffled order (mean R)
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ DEFAULT_BACKENDS = ["cuda", "flex-triton", "flex-flash", "sdpa-flash", "sdpa-cud
 ALL_BACKENDS = DEFAULT_BACKENDS + ["flex-static", "flex-flash-static"]
 GIB = 2 ** 30
 SHOW_RUNS = False  # --show-runs: print every timed run's forward / backward ms
+SPREAD = 0.0  # --spread: response lengths from R (1 - SPREAD) to R (1 + SPREAD), mean R
 
 
 class Skip(Exception):
@@ -125,8 +128,24 @@ def randn(*shape):
 # ---------------------------------------------------------------------------------------------
 
 
+def response_lengths(n, r, spread=None) -> list:
+    """The N response lengths of a shape: all R, or with a spread s > 0 evenly spaced over
+    [R (1 - s), R (1 + s)] (bin centres, at least 1 token; mean R) in a fixed shuffled order, as
+    rollouts end at different lengths.
+    The same for every backend and run, so that tables of one spread compare."""
+    spread = SPREAD if spread is None else spread
+    if not spread:
+        return [r] * n
+    if not 0 < spread < 1:
+        raise ValueError(f"spread must be in [0, 1), got {spread}")
+    lo, hi = r * (1 - spread), r * (1 + spread)
+    lengths = [max(1, round(lo + (hi - lo) * (i + 0.5) / n)) for i in range(n)]
+    random.Random(n * 1_000_003 + r).shuffle(lengths)
+    return lengths
+
+
 def group_segments(n, p, r) -> SegmentTable:
-    return SegmentTable.from_group_lengths([(p, [r] * n)], device="cuda")
+    return SegmentTable.from_group_lengths([(p, response_lengths(n, r))], device="cuda")
 
 
 def _flex_static_entry(q, k, v, block_mask, scale):
@@ -376,6 +395,8 @@ def _run_replicated_chunk(name, seqs, length, warmup, reps, gqa):
 def run_replicated(name, shape, warmup, reps, state):
     """sdpa-* on the replicated batch: N causal sequences of P+R tokens."""
     n, p, r = shape
+    if SPREAD:
+        raise Skip("replicated SDPA runs equal response lengths only (no --spread)")
     notes = []
     gqa = state.get(("gqa", name), True)
     chunks_options = [c for c in range(1, n + 1) if n % c == 0]
@@ -414,9 +435,10 @@ COLUMNS = ["N", "P", "R", "T packed", "backend", "fwd ms", "bwd ms", "fwd+bwd ms
 
 def row_for(shape, backend, res):
     n, p, r = shape
-    dedup, repl = group_pairs(p, [r] * n)
+    lengths = response_lengths(n, r)
+    dedup, repl = group_pairs(p, lengths)
     fwd_flops = attention_flops(dedup, HQ, D)
-    base = [n, p, r, p + n * r, backend]
+    base = [n, p, r, p + sum(lengths), backend]
     if "status" in res:
         return base + [res["status"]] + [""] * (len(COLUMNS) - len(base) - 2) + [res.get("why", "")]
     raw = ""
@@ -483,12 +505,18 @@ def main(argv=None):
     ap.add_argument("--interleave", action="store_true",
                     help="time the packed backends of a shape run by run in turn instead of one after "
                          "the other (same clocks for each: a fair side by side on a card at its power cap)")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="unequal response lengths: R (1 - S) to R (1 + S), mean R, in a fixed shuffled "
+                         "order (0 <= S < 1; the R column gives the mean; replicated SDPA is skipped)")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
-    global SHOW_RUNS
+    global SHOW_RUNS, SPREAD
     SHOW_RUNS = args.show_runs
+    if not 0 <= args.spread < 1:
+        raise SystemExit(f"--spread must be in [0, 1), got {args.spread}")
+    SPREAD = args.spread
 
     shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else ALL_SHAPES)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -514,7 +542,9 @@ def main(argv=None):
         "command: python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         f"Hq={HQ} Hkv={HKV} d={D} {str(DTYPE).replace('torch.', '')}; warm-up {warmup}, median of {reps} "
         f"(replicated SDPA: warm-up 1, median of {max(2, reps // 2)}); useful TF/s = dedup attention FLOPs / time",
-    ] + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (timed "
+    ] + ([f"responses of unequal lengths: R (1 - {SPREAD:g}) to R (1 + {SPREAD:g}) tokens, shuffled; "
+          "R is their mean"] if SPREAD else []) \
+      + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (timed "
           "rounds in random orders that put each backend in each position equally often); peak GiB of "
           "each from one run of its own"] if args.interleave else [])
     print("\n".join(header), flush=True)
