@@ -426,8 +426,19 @@ def ws_phase() -> bool:
     return os.environ.get("MEGATRON_DUALKV_WS_PHASE", "1") != "0"
 
 
+def ws_long_band_by_segment() -> bool:
+    """Whether the ws backward's first band is grouped by segment like the second (True) or in
+    order of work across segments; MEGATRON_DUALKV_WS_LONG_BAND=work keeps the order of work
+    (an A/B switch)."""
+    forced = os.environ.get("MEGATRON_DUALKV_WS_LONG_BAND", "segment")
+    if forced not in ("segment", "work"):
+        raise ValueError(f"MEGATRON_DUALKV_WS_LONG_BAND must be 'segment' or 'work', got {forced!r}")
+    return forced == "segment"
+
+
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
-               split: Optional[tuple] = None, phase: bool = False) -> tuple[list, list]:
+               split: Optional[tuple] = None, phase: bool = False,
+               long_band_by_segment: bool = True) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
     tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
     split: 0, a part of a key tile split by query rows (> 0, `split_by_rows`) or a phase-aligned
@@ -436,8 +447,10 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
     segment from k0 on (causal) and the children of a root. The first n_long items (at least
-    1/LONG_BAND of the heaviest's work, heaviest first) are the kernel's first band: their CTAs
-    of every kv head start before any other item's; the rest follow grouped by segment. split =
+    1/LONG_BAND of the heaviest's work) are the kernel's first band: their CTAs of every kv head
+    start before any other item's; the rest follow. Each band is grouped by segment (heaviest
+    first inside one; with long_band_by_segment=False the first band is heaviest first across
+    segments). split =
     (hkv, group, SMs[, per_part]): key tiles that would outlast the grid are split by query rows
     (`split_by_rows`, which also reorders the list; per_part: a workspace slot per part, for the
     deterministic mode).
@@ -459,14 +472,19 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
             items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, wide, 0])
     items.sort(key=lambda r: -r[4])
     _mark_long_band(items, lambda it: it[4])
-    # the second band grouped by segment: each response's key tiles together (heaviest first inside
-    # one) instead of key tile 0 of every response, then key tile 1 of every response, ...: the
-    # H100 backward of (28, 4096, R) 1.6-2 % faster, the other published shapes within +-0.7 %
-    # (docs/PERF.md, thirteenth session)
+    # each band grouped by segment: each response's key tiles together (heaviest first inside one)
+    # instead of key tile 0 of every response, then key tile 1 of every response, ..., so that the
+    # CTAs resident at once walk one response's rows. The second band: the H100 backward of
+    # (28, 4096, R) 1.6-2 % faster, the other published shapes within +-0.7 % (docs/PERF.md,
+    # thirteenth session). The first band holds response tiles where responses are long (e.g.
+    # (4, 512, 32768)): modelled L2 misses 34 -> 14 %, the modelled makespan unchanged
+    # (docs/PERF.md, twenty-sixth session); on the published shapes it holds the prompt's tiles only.
     n_long = items[0][5] if items else 0
     starts = sorted(segments.host_start)
-    items[n_long:] = _group_by_segment(items[n_long:], lambda it: _walked_segment(it, ranges, starts),
-                                       lambda it: it[4])
+    walked = lambda it: _walked_segment(it, ranges, starts)  # noqa: E731
+    if long_band_by_segment:
+        items[:n_long] = _group_by_segment(items[:n_long], walked, lambda it: it[4])
+    items[n_long:] = _group_by_segment(items[n_long:], walked, lambda it: it[4])
     ranges = [list(r) for r in ranges]
     if split is not None:
         items, ranges = split_by_rows(items, ranges, segments.host_start, *split)
@@ -482,7 +500,7 @@ class Work:
     With query chunks (local queries) only the ws lists are built. split: `ws_kv_work`'s."""
 
     def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple] = None, phase: bool = False):
+                 split: Optional[tuple] = None, phase: bool = False, long_band_by_segment: bool = True):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
         rows = row_items(segments, 128, chunks)
@@ -491,7 +509,8 @@ class Work:
         # forward takes the tile width the whole micro-batch takes and gives its rows bitwise
         whole = rows if chunks is None else row_items(segments, 128)
         self.fwd_mean_keys = sum(it[5] for it in whole) * TILE / len(whole)
-        ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase)
+        ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase,
+                                         long_band_by_segment=long_band_by_segment)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
         self.ws_split_slots = split_slots(ws_items, per_part=split is not None and len(split) > 3 and split[3])
         if not self.local:
@@ -501,10 +520,10 @@ class Work:
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple] = None, phase: bool = False) -> Work:
+                 split: Optional[tuple] = None, phase: bool = False, long_band_by_segment: bool = True) -> Work:
     """The `Work` of a layout on a device (cached on the SegmentTable)."""
-    return segments.cached(("cuda_backend_work", str(device), chunks, split, phase),
-                           lambda: Work(segments, device, chunks, split, phase))
+    return segments.cached(("cuda_backend_work", str(device), chunks, split, phase, long_band_by_segment),
+                           lambda: Work(segments, device, chunks, split, phase, long_band_by_segment))
 
 
 # Mean keys per query tile from which the ws forward takes 176-key tiles (head dim 128): a wider
@@ -738,7 +757,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     # each part's dK/dV in a slot of its own and sums them in part order
     fast_ws_bwd = bi == "ws" and not deterministic
     split = ws_split(q, k, per_part=bool(deterministic)) if bi == "ws" else None
-    work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase())
+    work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase(), ws_long_band_by_segment())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
     fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail()) if fi == "ws" else (128, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,

@@ -451,6 +451,37 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("deterministic", [False, True])
+def test_wsbwd_long_band_order(deterministic, monkeypatch):
+    """Long responses put their key tiles in the first band, which is grouped by segment (the
+    default) or heaviest first across segments (MEGATRON_DUALKV_WS_LONG_BAND=work): only the
+    order of the CTAs changes, so dk and dv are bitwise the same (each key tile's sums are one
+    CTA's: no splits, and in fast mode no phase-aligned walks, whose start varies), deterministic
+    dq too, and fast dq within fp32-sum rounding and no worse against float64."""
+    seg = make_segments([(64, [1300, 300, 900]), (40, [600])])
+    items = {v: cuda_backend.ws_kv_work(seg, long_band_by_segment=v)[0] for v in (False, True)}
+    n_long = items[True][0][5]
+    assert items[True][:n_long] != items[False][:n_long], "the layout's first band does not span segments"
+    q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    # this small grid would split the prompt's key tiles (a split list is one band, its parts'
+    # dK/dV summed by atomics in fast mode), and fast mode's phase-aligned walks start where other
+    # CTAs are: both off, so that the two runs differ in the band order only
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
+    assert cuda_backend.ws_split(q, k, per_part=deterministic) is None
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_LONG_BAND", "work")
+    work = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_LONG_BAND", "segment")
+    grouped = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    for name, i in (("out", 0), ("dk", 3), ("dv", 4)) + ((("dq", 2),) if deterministic else ()):
+        assert torch.equal(grouped[i], work[i]), f"{name} differs between the band orders"
+    if not deterministic:
+        ex = exact(q, k, v, dout, seg, 0.1)
+        assert rel(grouped[2], work[2]) < 1e-2, f"dq: rel {rel(grouped[2], work[2]):.3e} between the orders"
+        assert rel(grouped[2], ex[2]) <= rel(work[2], ex[2]) * SLACK + 1e-7, "dq error vs float64"
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True])
 def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
     """A split list's walks take each head's query tiles last first (the default) or in list order
     (MEGATRON_DUALKV_WS_REVERSE_ROWS=0); only the order of the sums differs: same inputs, dk, dv
@@ -814,31 +845,60 @@ def test_ws_work_lists_cover_the_held_queries_once(seed, local):
     assert kcovered == [1] * t
 
 
-@pytest.mark.parametrize("groups", [[(4096, [2048] * 28)], [(700, [5, 300]), (3000, [64] * 9), (40, [1])]])
-def test_ws_kv_items_name_their_long_band(groups):
-    """Field 5 of every ws kv item is n_long: items 0..n_long-1 (heaviest first) carry at least
-    1/LONG_BAND of the heaviest item's query tiles, the rest less, grouped by segment. The kernel
-    starts the first band's CTAs of every kv head before any other; for a GRPO group whose
-    responses are short next to its prompt that band is exactly the prompt's key tiles."""
+def _grouped_by_walked_segment(items, ranges, starts):
+    """Whether items come grouped by the segment each walks first (`_walked_segment`), the
+    segments in order of their heaviest item, heaviest first inside one."""
+    seg_of = [cuda_backend._walked_segment(it, ranges, starts) for it in items]
+    runs = [g for i, g in enumerate(seg_of) if i == 0 or seg_of[i - 1] != g]
+    if len(runs) != len(set(runs)):
+        return False
+    work = {g: [it[4] for it, s in zip(items, seg_of) if s == g] for g in runs}
+    return (all(w == sorted(w, reverse=True) for w in work.values())
+            and [work[g][0] for g in runs] == sorted((work[g][0] for g in runs), reverse=True))
+
+
+@pytest.mark.parametrize("groups", [[(4096, [2048] * 28)], [(700, [5, 300]), (3000, [64] * 9), (40, [1])],
+                                    [(512, [30000, 12000, 20000])], [(64, [9000] * 3), (128, [4000, 9500])]])
+@pytest.mark.parametrize("by_segment", [True, False])
+def test_ws_kv_items_name_their_long_band(groups, by_segment):
+    """Field 5 of every ws kv item is n_long: items 0..n_long-1 carry at least 1/LONG_BAND of the
+    heaviest item's query tiles, the rest less. The kernel starts the first band's CTAs of every
+    kv head before any other; for a GRPO group whose responses are short next to its prompt that
+    band is exactly the prompt's key tiles. Each band is grouped by the segment its items walk
+    first (a response's key tiles are neighbours), heaviest first inside one; long responses put
+    their key tiles in the first band too, and with long_band_by_segment=False (the A/B switch
+    MEGATRON_DUALKV_WS_LONG_BAND=work) that band is heaviest first across segments."""
     seg = make_segments(groups, device="cpu")
-    items, _ = cuda_backend.ws_kv_work(seg)
+    items, ranges = cuda_backend.ws_kv_work(seg, long_band_by_segment=by_segment)
     n_long = items[0][5]
     assert all(it[5] == n_long for it in items) and 0 < n_long <= len(items)
-    heaviest = items[0][4]
+    heaviest = max(it[4] for it in items)
     assert all(it[4] * cuda_backend.LONG_BAND >= heaviest for it in items[:n_long])
     assert all(it[4] * cuda_backend.LONG_BAND < heaviest for it in items[n_long:])
-    assert [it[4] for it in items[:n_long]] == sorted((it[4] for it in items[:n_long]), reverse=True)
-    # the second band grouped by segment (a response's key tiles are neighbours), heaviest first inside one
     starts = sorted(seg.host_start)
-    seg_of = [max(s for s in range(len(starts)) if starts[s] <= it[0]) for it in items[n_long:]]
-    runs = [g for i, g in enumerate(seg_of) if i == 0 or seg_of[i - 1] != g]
-    assert len(runs) == len(set(runs)), "the key tiles of one segment are not neighbours in the second band"
-    for g in runs:
-        work = [it[4] for it, s in zip(items[n_long:], seg_of) if s == g]
-        assert work == sorted(work, reverse=True)
-    if len(groups) == 1:
+    assert _grouped_by_walked_segment(items[n_long:], ranges, starts), "the second band is not grouped by segment"
+    band = [it[4] for it in items[:n_long]]
+    if by_segment:
+        assert _grouped_by_walked_segment(items[:n_long], ranges, starts), "the first band is not grouped by segment"
+    else:
+        assert band == sorted(band, reverse=True)
+    if len(groups) == 1 and groups[0][0] >= 4096:
         p = groups[0][0]
         assert sorted(it[0] for it in items[:n_long]) == list(range(0, p, 128))
+    # both orders list the same items in the same bands; only the first band's order differs
+    other, _ = cuda_backend.ws_kv_work(seg, long_band_by_segment=not by_segment)
+    assert other[0][5] == n_long and other[n_long:] == items[n_long:]
+    assert sorted(other[:n_long]) == sorted(items[:n_long])
+    spans = len({cuda_backend._walked_segment(it, ranges, starts) for it in items[:n_long]}) > 1
+    assert (other[:n_long] != items[:n_long]) == spans
+
+
+def test_ws_long_band_switch_is_named(monkeypatch):
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_LONG_BAND", "heaviest")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_LONG_BAND must be"):
+        cuda_backend.ws_long_band_by_segment()
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_LONG_BAND", "work")
+    assert cuda_backend.ws_long_band_by_segment() is False
 
 
 @pytest.mark.parametrize("groups, hkv, group, slots, local", [
