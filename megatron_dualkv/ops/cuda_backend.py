@@ -531,8 +531,11 @@ def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[
 # K/V stages instead of 3 and fills and drains each CTA more slowly. With the prompt's partial last
 # tile narrowed (the kernel's default), H100 forward alone, 176 / 128 keys: 0.961-0.993 from
 # (28, 8192, R) (7.7k keys per query tile) to (28, 32768, 2048) (27.5k), 1.003-1.030 on
-# (28, 4096, R) (4.4k-5.0k) (docs/PERF.md, twentieth session §2, three cards).
-WIDE_TILE_KEYS = 6144
+# (28, 4096, R) (4.4k-5.0k) (docs/PERF.md, twentieth session §2, three cards); 1.001-1.027 on
+# eight layouts of 6.0k-7.6k keys, among them long and unequal responses ((28, 6144, 2048) 1.014,
+# (16, 1024, 8192) with responses of 0.1-1.9 R 1.027), one exception at 7.1k (0.993) (twenty-sixth
+# session). Hence 7680: layouts below it take 128.
+WIDE_TILE_KEYS = 7680
 
 
 def ws_fwd_tile(work: "Work", head_dim: int) -> int:

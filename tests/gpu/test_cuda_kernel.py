@@ -989,6 +989,8 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     assert cuda_backend.ws_fwd_tile(work, 128) == 128  # short rows
     long_rows = type("W", (), {"fwd_mean_keys": cuda_backend.WIDE_TILE_KEYS})()
     assert cuda_backend.ws_fwd_tile(long_rows, 128) == 176 and cuda_backend.ws_fwd_tile(long_rows, 64) == 128
+    below = type("W", (), {"fwd_mean_keys": cuda_backend.WIDE_TILE_KEYS - 1})()
+    assert cuda_backend.ws_fwd_tile(below, 128) == 128
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "176")
     assert cuda_backend.ws_fwd_tile(work, 128) == 176 and cuda_backend.ws_fwd_tile(work, 64) == 128
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "128")
