@@ -148,3 +148,19 @@ def test_spread_gives_unequal_responses_of_mean_r_and_flops_of_those_lengths(mon
 def test_spread_out_of_range_is_named():
     with pytest.raises(SystemExit, match="--spread"):
         bench_kernel.main(["--spread", "1.5"])
+
+
+def test_groups_pack_several_groups_with_their_own_orders(monkeypatch):
+    res = dict(fwd=1.0, bwd=2.0, fb=3.0, peak=1.0, notes=[])
+    one = bench_kernel.row_for((16, 512, 1024), "cuda", res)
+    monkeypatch.setattr(bench_kernel, "GROUPS", 4)
+    four = bench_kernel.row_for((16, 512, 1024), "cuda", res)
+    assert four[3] == 4 * one[3] and int(four[8]) == pytest.approx(4 * int(one[8]), abs=4)
+    monkeypatch.setattr(bench_kernel, "SPREAD", 0.5)
+    groups = bench_kernel.micro_batch(16, 512, 1024)
+    assert len(groups) == 4 and all(p == 512 and sum(ls) == 16 * 1024 for p, ls in groups)
+    assert len({tuple(ls) for _, ls in groups}) == 4  # each group its own order
+    with pytest.raises(bench_kernel.Skip, match="one group"):
+        bench_kernel.run_replicated("sdpa-cudnn", (16, 512, 1024), 1, 2, {})
+    with pytest.raises(SystemExit, match="--groups"):
+        bench_kernel.main(["--groups", "0"])

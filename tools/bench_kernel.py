@@ -31,6 +31,8 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
   python tools/bench_kernel.py --interleave --backends "cuda,cuda[deterministic=1]"   # fast vs deterministic backward
   python tools/bench_kernel.py --shapes 16x1024x8192 --spread 0.9 --backends cuda,flex-flash
       # responses of unequal lengths, R (1 - 0.9) to R (1 + 0.9) in a fixed shuffled order (mean R)
+  python tools/bench_kernel.py --shapes 16x512x1024 --groups 8 --spread 0.9 --backends cuda,flex-flash
+      # a micro-batch of 8 such groups (8 prompts, each with its own 16 responses)
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ ALL_BACKENDS = DEFAULT_BACKENDS + ["flex-static", "flex-flash-static"]
 GIB = 2 ** 30
 SHOW_RUNS = False  # --show-runs: print every timed run's forward / backward ms
 SPREAD = 0.0  # --spread: response lengths from R (1 - SPREAD) to R (1 + SPREAD), mean R
+GROUPS = 1  # --groups: groups (prompts with their responses) per micro-batch
 
 
 class Skip(Exception):
@@ -128,11 +131,12 @@ def randn(*shape):
 # ---------------------------------------------------------------------------------------------
 
 
-def response_lengths(n, r, spread=None) -> list:
+def response_lengths(n, r, spread=None, group=0) -> list:
     """The N response lengths of a shape: all R, or with a spread s > 0 evenly spaced over
     [R (1 - s), R (1 + s)] (bin centres, at least 1 token; mean R) in a fixed shuffled order, as
     rollouts end at different lengths.
-    The same for every backend and run, so that tables of one spread compare."""
+    The same for every backend and run, so that tables of one spread compare; each group of a
+    micro-batch (`group`) has its own order."""
     spread = SPREAD if spread is None else spread
     if not spread:
         return [r] * n
@@ -140,12 +144,17 @@ def response_lengths(n, r, spread=None) -> list:
         raise ValueError(f"spread must be in [0, 1), got {spread}")
     lo, hi = r * (1 - spread), r * (1 + spread)
     lengths = [max(1, round(lo + (hi - lo) * (i + 0.5) / n)) for i in range(n)]
-    random.Random(n * 1_000_003 + r).shuffle(lengths)
+    random.Random(n * 1_000_003 + r + 7919 * group).shuffle(lengths)
     return lengths
 
 
+def micro_batch(n, p, r) -> list:
+    """[(P, [R_1, ..., R_N])] for each of the GROUPS groups of a micro-batch."""
+    return [(p, response_lengths(n, r, group=g)) for g in range(GROUPS)]
+
+
 def group_segments(n, p, r) -> SegmentTable:
-    return SegmentTable.from_group_lengths([(p, response_lengths(n, r))], device="cuda")
+    return SegmentTable.from_group_lengths(micro_batch(n, p, r), device="cuda")
 
 
 def _flex_static_entry(q, k, v, block_mask, scale):
@@ -395,8 +404,8 @@ def _run_replicated_chunk(name, seqs, length, warmup, reps, gqa):
 def run_replicated(name, shape, warmup, reps, state):
     """sdpa-* on the replicated batch: N causal sequences of P+R tokens."""
     n, p, r = shape
-    if SPREAD:
-        raise Skip("replicated SDPA runs equal response lengths only (no --spread)")
+    if SPREAD or GROUPS > 1:
+        raise Skip("replicated SDPA runs one group of equal response lengths only (no --spread, --groups)")
     notes = []
     gqa = state.get(("gqa", name), True)
     chunks_options = [c for c in range(1, n + 1) if n % c == 0]
@@ -435,10 +444,10 @@ COLUMNS = ["N", "P", "R", "T packed", "backend", "fwd ms", "bwd ms", "fwd+bwd ms
 
 def row_for(shape, backend, res):
     n, p, r = shape
-    lengths = response_lengths(n, r)
-    dedup, repl = group_pairs(p, lengths)
+    groups = micro_batch(n, p, r)
+    dedup, repl = (sum(x) for x in zip(*(group_pairs(gp, lengths) for gp, lengths in groups)))
     fwd_flops = attention_flops(dedup, HQ, D)
-    base = [n, p, r, p + sum(lengths), backend]
+    base = [n, p, r, sum(gp + sum(lengths) for gp, lengths in groups), backend]
     if "status" in res:
         return base + [res["status"]] + [""] * (len(COLUMNS) - len(base) - 2) + [res.get("why", "")]
     raw = ""
@@ -508,15 +517,22 @@ def main(argv=None):
     ap.add_argument("--spread", type=float, default=0.0,
                     help="unequal response lengths: R (1 - S) to R (1 + S), mean R, in a fixed shuffled "
                          "order (0 <= S < 1; the R column gives the mean; replicated SDPA is skipped)")
+    ap.add_argument("--groups", type=int, default=1,
+                    help="groups per micro-batch: each shape's group G times in one packed batch (each with "
+                         "its own order of lengths under --spread; N, P, R are per group, T packed and "
+                         "TF/s of the whole batch; replicated SDPA is skipped)")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
-    global SHOW_RUNS, SPREAD
+    global SHOW_RUNS, SPREAD, GROUPS
     SHOW_RUNS = args.show_runs
     if not 0 <= args.spread < 1:
         raise SystemExit(f"--spread must be in [0, 1), got {args.spread}")
     SPREAD = args.spread
+    if args.groups < 1:
+        raise SystemExit(f"--groups must be at least 1, got {args.groups}")
+    GROUPS = args.groups
 
     shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else ALL_SHAPES)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -544,6 +560,7 @@ def main(argv=None):
         f"(replicated SDPA: warm-up 1, median of {max(2, reps // 2)}); useful TF/s = dedup attention FLOPs / time",
     ] + ([f"responses of unequal lengths: R (1 - {SPREAD:g}) to R (1 + {SPREAD:g}) tokens, shuffled; "
           "R is their mean"] if SPREAD else []) \
+      + ([f"{GROUPS} groups per micro-batch (N, P, R per group)"] if GROUPS > 1 else []) \
       + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (timed "
           "rounds in random orders that put each backend in each position equally often); peak GiB of "
           "each from one run of its own"] if args.interleave else [])
