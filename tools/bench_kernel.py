@@ -134,9 +134,8 @@ def randn(*shape):
 def response_lengths(n, r, spread=None, group=0) -> list:
     """The N response lengths of a shape: all R, or with a spread s > 0 evenly spaced over
     [R (1 - s), R (1 + s)] (bin centres, at least 1 token; mean R) in a fixed shuffled order, as
-    rollouts end at different lengths.
-    The same for every backend and run, so that tables of one spread compare; each group of a
-    micro-batch (`group`) has its own order."""
+    rollouts end at different lengths. The same for every backend and run, so that tables of one
+    spread compare; each group of a micro-batch (`group`) has its own order."""
     spread = SPREAD if spread is None else spread
     if not spread:
         return [r] * n

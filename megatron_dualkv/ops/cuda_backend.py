@@ -476,9 +476,11 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     # instead of key tile 0 of every response, then key tile 1 of every response, ..., so that the
     # CTAs resident at once walk one response's rows. The second band: the H100 backward of
     # (28, 4096, R) 1.6-2 % faster, the other published shapes within +-0.7 % (docs/PERF.md,
-    # thirteenth session). The first band holds response tiles where responses are long (e.g.
-    # (4, 512, 32768)): modelled L2 misses 34 -> 14 %, the modelled makespan unchanged
-    # (docs/PERF.md, twenty-sixth session); on the published shapes it holds the prompt's tiles only.
+    # thirteenth session). The first band holds response tiles where responses are long, and
+    # several prompts' tiles in a micro-batch of several groups: grouped, modelled L2 misses
+    # 34 -> 14 % on (4, 512, 32768) with the makespan unchanged, H100 backward 0.95 on
+    # (8, 1024, 16384) with unequal responses and 0.90-0.98 on micro-batches of 2-16 groups
+    # (docs/PERF.md, twenty-sixth session). On the published shapes it holds one prompt's tiles.
     n_long = items[0][5] if items else 0
     starts = sorted(segments.host_start)
     walked = lambda it: _walked_segment(it, ranges, starts)  # noqa: E731
