@@ -164,3 +164,15 @@ def test_groups_pack_several_groups_with_their_own_orders(monkeypatch):
         bench_kernel.run_replicated("sdpa-cudnn", (16, 512, 1024), 1, 2, {})
     with pytest.raises(SystemExit, match="--groups"):
         bench_kernel.main(["--groups", "0"])
+
+
+def test_prompt_spread_gives_each_group_its_own_prompt_length(monkeypatch):
+    monkeypatch.setattr(bench_kernel, "GROUPS", 8)
+    monkeypatch.setattr(bench_kernel, "PROMPT_SPREAD", 0.5)
+    prompts = [p for p, _ in bench_kernel.micro_batch(16, 512, 1024)]
+    assert sum(prompts) == 8 * 512 and len(set(prompts)) == 8
+    assert any(p % 128 for p in prompts)  # ragged prompts: a short last key tile
+    monkeypatch.setattr(bench_kernel, "GROUPS", 1)
+    assert bench_kernel.micro_batch(16, 512, 1024)[0][0] == 512
+    with pytest.raises(SystemExit, match="--prompt-spread"):
+        bench_kernel.main(["--prompt-spread", "-0.1"])

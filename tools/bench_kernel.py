@@ -70,6 +70,7 @@ GIB = 2 ** 30
 SHOW_RUNS = False  # --show-runs: print every timed run's forward / backward ms
 SPREAD = 0.0  # --spread: response lengths from R (1 - SPREAD) to R (1 + SPREAD), mean R
 GROUPS = 1  # --groups: groups (prompts with their responses) per micro-batch
+PROMPT_SPREAD = 0.0  # --prompt-spread: the groups' prompt lengths from P (1 - s) to P (1 + s), mean P
 
 
 class Skip(Exception):
@@ -148,8 +149,11 @@ def response_lengths(n, r, spread=None, group=0) -> list:
 
 
 def micro_batch(n, p, r) -> list:
-    """[(P, [R_1, ..., R_N])] for each of the GROUPS groups of a micro-batch."""
-    return [(p, response_lengths(n, r, group=g)) for g in range(GROUPS)]
+    """[(P, [R_1, ..., R_N])] for each of the GROUPS groups of a micro-batch; with PROMPT_SPREAD
+    the prompts' lengths spread like the responses' (`response_lengths`), so that most are not
+    multiples of the key tile."""
+    prompts = response_lengths(GROUPS, p, PROMPT_SPREAD)
+    return [(prompts[g], response_lengths(n, r, group=g)) for g in range(GROUPS)]
 
 
 def group_segments(n, p, r) -> SegmentTable:
@@ -520,11 +524,14 @@ def main(argv=None):
                     help="groups per micro-batch: each shape's group G times in one packed batch (each with "
                          "its own order of lengths under --spread; N, P, R are per group, T packed and "
                          "TF/s of the whole batch; replicated SDPA is skipped)")
+    ap.add_argument("--prompt-spread", type=float, default=0.0,
+                    help="with --groups: the groups' prompt lengths P (1 - S) to P (1 + S), mean P, in a "
+                         "fixed shuffled order (0 <= S < 1; the P column gives the mean)")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
-    global SHOW_RUNS, SPREAD, GROUPS
+    global SHOW_RUNS, SPREAD, GROUPS, PROMPT_SPREAD
     SHOW_RUNS = args.show_runs
     if not 0 <= args.spread < 1:
         raise SystemExit(f"--spread must be in [0, 1), got {args.spread}")
@@ -532,6 +539,9 @@ def main(argv=None):
     if args.groups < 1:
         raise SystemExit(f"--groups must be at least 1, got {args.groups}")
     GROUPS = args.groups
+    if not 0 <= args.prompt_spread < 1:
+        raise SystemExit(f"--prompt-spread must be in [0, 1), got {args.prompt_spread}")
+    PROMPT_SPREAD = args.prompt_spread
 
     shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else ALL_SHAPES)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -560,6 +570,8 @@ def main(argv=None):
     ] + ([f"responses of unequal lengths: R (1 - {SPREAD:g}) to R (1 + {SPREAD:g}) tokens, shuffled; "
           "R is their mean"] if SPREAD else []) \
       + ([f"{GROUPS} groups per micro-batch (N, P, R per group)"] if GROUPS > 1 else []) \
+      + ([f"prompts of unequal lengths: P (1 - {PROMPT_SPREAD:g}) to P (1 + {PROMPT_SPREAD:g}), shuffled; "
+          "P is their mean"] if PROMPT_SPREAD else []) \
       + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (timed "
           "rounds in random orders that put each backend in each position equally often); peak GiB of "
           "each from one run of its own"] if args.interleave else [])
