@@ -509,8 +509,7 @@ class Work:
         self.rows128 = mk(rows)
         # keys per query tile of the whole layout (ws_fwd_tile), so that a context-parallel rank's
         # forward takes the tile width the whole micro-batch takes and gives its rows bitwise
-        whole = rows if chunks is None else row_items(segments, 128)
-        self.fwd_mean_keys = sum(it[5] for it in whole) * TILE / len(whole)
+        self.fwd_mean_keys = mean_keys_per_query_tile(segments)
         ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase,
                                          long_band_by_segment=long_band_by_segment)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
@@ -519,6 +518,16 @@ class Work:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
             self.kv128 = mk(kv_items(segments, 128)[0])  # the same ranges
+
+
+def mean_keys_per_query_tile(segments: SegmentTable) -> float:
+    """The keys a 128-row query tile of the whole layout attends, on average (its last row's, in
+    64-key tiles: the row items' cost); cached on the layout. It picks the forward's key tile
+    (`ws_fwd_tile`) and fast mode's backward (`fast_bwd_separate_dq`)."""
+    def build():
+        rows = row_items(segments, 128)
+        return sum(it[5] for it in rows) * TILE / len(rows)
+    return segments.cached("cuda_backend_mean_keys", build)
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
@@ -552,6 +561,30 @@ def ws_fwd_tile(work: "Work", head_dim: int) -> int:
     if forced != "auto":
         return int(forced)
     return 176 if work.fwd_mean_keys >= WIDE_TILE_KEYS else 128
+
+
+# Fast mode's backward runs the deterministic kernels (dK/dV without dQ, then the dQ kernel,
+# which recomputes S and dP per query tile: 7 MMA units per tile pair against 5, but no fp32 dQ
+# reduce-adds) where the query tiles attend SEPARATE_DQ_KEYS keys on average. H100, interleaved,
+# separate / fused bwd over 16 GRPO layouts (single groups and micro-batches of 4-32 groups):
+# 0.771-0.983 on all ten from 447 to 1,340 keys, 1.033-1.112 on the five from 1,569 keys up,
+# 1.118 at 320 (docs/PERF.md, twenty-sixth session). Short walks make the fused kernel's dQ
+# traffic the cost; long ones make the recomputed MMAs the cost; very short query tiles make the
+# dQ kernel's start-up the cost.
+SEPARATE_DQ_KEYS = (400, 1408)
+
+
+def fast_bwd_separate_dq(segments: SegmentTable, head_dim: int) -> bool:
+    """Whether a fast-mode ws backward on this layout runs the deterministic kernels (their
+    result is bitwise reproducible too): at head dim 128 where the mean keys per query tile lie
+    in SEPARATE_DQ_KEYS. MEGATRON_DUALKV_FAST_BWD=fused or =separate forces one (an A/B switch)."""
+    forced = os.environ.get("MEGATRON_DUALKV_FAST_BWD", "auto")
+    if forced not in ("auto", "fused", "separate"):
+        raise ValueError(f"MEGATRON_DUALKV_FAST_BWD must be 'auto', 'fused' or 'separate', got {forced!r}")
+    if forced != "auto":
+        return forced == "separate"
+    lo, hi = SEPARATE_DQ_KEYS
+    return head_dim == 128 and lo <= mean_keys_per_query_tile(segments) <= hi
 
 
 def ws_fwd_narrow_tail() -> bool:
@@ -734,8 +767,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     fwd_impl / bwd_impl: "ws" (warp-specialized, default where the extension has it), "sm90"
     (wgmma, synchronous) or "mma" (mma.sync kernels); deterministic=True: bitwise reproducible
     backward (ws: dK/dV by the ws kernel, split key tiles' parts summed in part order, dQ by the
-    ws dQ kernel). $MEGATRON_DUALKV_CUDA_FWD /
-    $MEGATRON_DUALKV_CUDA_BWD set the defaults.
+    ws dQ kernel). With deterministic=False the ws backward still takes those kernels where they
+    are the faster ones (`fast_bwd_separate_dq`: GRPO layouts of short prompts and responses).
+    $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD set the defaults.
     q_rows: int64 [Tq], ascending packed rows of q's rows when q holds only some queries (context
     parallelism) while k, v hold all T rows; runs on the ws kernels, fast-mode backward only.
     """
@@ -758,6 +792,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")
         chunks = cached_query_chunks(segments, q_rows)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not deterministic and not local and bi == "ws" and fast_bwd_separate_dq(segments, q.shape[-1]):
+        deterministic = True  # the faster backward on this layout (fast_bwd_separate_dq)
     # phase-aligned walks start where other CTAs are (order varies); a deterministic split stores
     # each part's dK/dV in a slot of its own and sums them in part order
     fast_ws_bwd = bi == "ws" and not deterministic

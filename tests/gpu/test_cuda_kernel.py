@@ -28,6 +28,14 @@ gpu = pytest.mark.skipif(not _ok, reason=f"DualKV CUDA backend unavailable: {_wh
 SLACK = 1.02
 
 
+@pytest.fixture(autouse=True)
+def _fused_fast_backward(monkeypatch):
+    """Fast mode here runs the fused kernel it names (dQ summed by the dK/dV kernel) on every
+    layout, not the deterministic kernels that fast mode picks for itself on some layouts
+    (`fast_bwd_separate_dq`, tested below with the switch at auto)."""
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
+
+
 # ---------------------------------------------------------------------------------------------
 # layouts
 # ---------------------------------------------------------------------------------------------
@@ -447,6 +455,52 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
     assert rel(ws[2], ref[2]) < 1e-2 and not bad_rows, (
         f"dq: rel {rel(ws[2], ref[2]):.3e} vs sm90, rows off: {bad_rows[:20]} ({len(bad_rows)} in all)")
     assert e_ws <= e_ref * SLACK + 1e-7, f"dq error vs float64 {e_ws:.3e} exceeds sm90's {e_ref:.3e}"
+
+
+@pytest.mark.parametrize("groups, separate", [
+    ([(128, [512] * 16)], True),                    # 447 keys per query tile: (128, 128, 512)'s kind
+    ([(512, [1024] * 8), (300, [700, 1300])], True),
+    ([(1024, [1024] * 32)], False),                 # 1,569: (32, 1024, 1024), where the fused kernel is faster
+    ([(128, [256] * 8)], False),                    # 320: short query tiles, the dQ kernel's start-up
+])
+def test_fast_mode_picks_its_backward(groups, separate, monkeypatch):
+    """Fast mode takes the deterministic kernels where the layout's query tiles attend
+    SEPARATE_DQ_KEYS keys on average, at head dim 128 only; MEGATRON_DUALKV_FAST_BWD forces either
+    and names itself when set to anything else."""
+    seg = make_segments(groups, device="cpu")
+    lo, hi = cuda_backend.SEPARATE_DQ_KEYS
+    keys = cuda_backend.mean_keys_per_query_tile(seg)
+    assert (lo <= keys <= hi) == separate, keys
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "auto")
+    assert cuda_backend.fast_bwd_separate_dq(seg, 128) == separate
+    assert not cuda_backend.fast_bwd_separate_dq(seg, 64)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "separate")
+    assert cuda_backend.fast_bwd_separate_dq(seg, 64)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
+    assert not cuda_backend.fast_bwd_separate_dq(seg, 128)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fast")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_FAST_BWD must be"):
+        cuda_backend.fast_bwd_separate_dq(seg, 128)
+
+
+@gpu
+def test_fast_mode_on_the_separate_dq_layouts_is_the_deterministic_backward(monkeypatch):
+    """Where fast mode picks the deterministic kernels (switch at auto), its gradients are
+    bitwise those of deterministic=True, and within rounding of the fused kernel's (forced)."""
+    seg = make_segments([(128, [512] * 6), (100, [300, 700])])
+    q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "auto")
+    assert cuda_backend.fast_bwd_separate_dq(seg, 128)
+    fast = run_kernel(q, k, v, dout, seg, 0.1, deterministic=False, impl="ws", bwd_impl="ws")
+    det = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
+    for name, i in (("out", 0), ("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.equal(fast[i], det[i]), f"{name}: fast mode on this layout is not the deterministic backward"
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
+    fused = run_kernel(q, k, v, dout, seg, 0.1, deterministic=False, impl="ws", bwd_impl="ws")
+    ex = exact(q, k, v, dout, seg, 0.1)
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert rel(fast[i], fused[i]) < 1e-2, f"{name}: rel {rel(fast[i], fused[i]):.3e} against the fused kernel"
+        assert rel(fast[i], ex[i]) <= rel(fused[i], ex[i]) * SLACK + 1e-7, f"{name}: error vs float64"
 
 
 @gpu
