@@ -13,8 +13,9 @@ fast-mode backward); a backend that does not is skipped with its reason.
 `deterministic=True` (Megatron: `config.deterministic_mode`) asks the cuda kernel for its bitwise
 reproducible backward (dQ by a kernel of its own instead of fp32 atomics; on the H100 1.02-1.13x
 the fast backward's time on the published shapes, 0.89-1.03x on GRPO shapes: docs/PERF.md,
-"Twenty-third session", "Twenty-fifth session"). flex and reference take no such mode: they run as
-they are.
+"Twenty-third session", "Twenty-fifth session"; fast mode itself takes that backward on the GRPO
+layouts where it is the faster one, "Twenty-sixth session" §4). flex and reference take no such
+mode: they run as they are.
 """
 
 from __future__ import annotations
