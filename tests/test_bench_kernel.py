@@ -176,3 +176,8 @@ def test_prompt_spread_gives_each_group_its_own_prompt_length(monkeypatch):
     assert bench_kernel.micro_batch(16, 512, 1024)[0][0] == 512
     with pytest.raises(SystemExit, match="--prompt-spread"):
         bench_kernel.main(["--prompt-spread", "-0.1"])
+
+
+def test_hkv_must_divide_the_query_heads():
+    with pytest.raises(SystemExit, match="--hkv must divide"):
+        bench_kernel.main(["--hkv", "5"])
