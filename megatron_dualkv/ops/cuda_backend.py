@@ -569,9 +569,8 @@ def ws_fwd_tile(work: "Work", head_dim: int) -> int:
 # separate / fused bwd over 16 GRPO layouts (single groups and micro-batches of 4-32 groups):
 # 0.771-0.983 on all ten from 447 to 1,340 keys, 1.033-1.112 on the five from 1,569 keys up,
 # 1.118 at 320; with Hq / Hkv = 32 / 4 0.700-0.956 inside, 1.010-1.043 outside (docs/PERF.md,
-# twenty-sixth session §4). Short walks make the fused kernel's dQ
-# traffic the cost; long ones make the recomputed MMAs the cost; very short query tiles make the
-# dQ kernel's start-up the cost.
+# twenty-sixth session §4). Short walks make the fused kernel's dQ traffic the cost; long ones
+# make the recomputed MMAs the cost; very short query tiles make the dQ kernel's start-up the cost.
 SEPARATE_DQ_KEYS = (400, 1408)
 
 
