@@ -181,3 +181,8 @@ def test_prompt_spread_gives_each_group_its_own_prompt_length(monkeypatch):
 def test_hkv_must_divide_the_query_heads():
     with pytest.raises(SystemExit, match="--hkv must divide"):
         bench_kernel.main(["--hkv", "5"])
+
+
+def test_head_dim_is_one_the_kernels_take():
+    with pytest.raises(SystemExit):
+        bench_kernel.main(["--head-dim", "96"])

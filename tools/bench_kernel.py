@@ -60,7 +60,7 @@ from megatron_dualkv.flops import FWD_BWD_FACTOR, attention_flops, group_pairs  
 from megatron_dualkv.layout import SegmentTable  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-DEFAULT_HKV = HKV  # --hkv changes HKV
+DEFAULT_HKV, DEFAULT_D = HKV, D  # --hkv and --head-dim change HKV and D
 DTYPE = torch.bfloat16
 PUBLISHED_NP = [(28, 4096), (28, 16384), (16, 32768), (28, 32768), (16, 65536)]
 ALL_SHAPES = [(n, p, r) for r in (2048, 1024) for n, p in PUBLISHED_NP]
@@ -530,11 +530,12 @@ def main(argv=None):
                          "fixed shuffled order (0 <= S < 1; the P column gives the mean)")
     ap.add_argument("--hkv", type=int, default=DEFAULT_HKV,
                     help=f"kv heads (query heads {HQ}; default {DEFAULT_HKV}, Qwen3-8B's; 4 is Qwen3-30B-A3B's)")
+    ap.add_argument("--head-dim", type=int, default=DEFAULT_D, choices=(64, 128), help=f"head dim (default {DEFAULT_D})")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
-    global SHOW_RUNS, SPREAD, GROUPS, PROMPT_SPREAD, HKV
+    global SHOW_RUNS, SPREAD, GROUPS, PROMPT_SPREAD, HKV, D
     SHOW_RUNS = args.show_runs
     if not 0 <= args.spread < 1:
         raise SystemExit(f"--spread must be in [0, 1), got {args.spread}")
@@ -548,6 +549,7 @@ def main(argv=None):
     if args.hkv < 1 or HQ % args.hkv:
         raise SystemExit(f"--hkv must divide the {HQ} query heads, got {args.hkv}")
     HKV = args.hkv
+    D = args.head_dim
 
     shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else ALL_SHAPES)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]

@@ -565,26 +565,30 @@ def ws_fwd_tile(work: "Work", head_dim: int) -> int:
 
 # Fast mode's backward runs the deterministic kernels (dK/dV without dQ, then the dQ kernel,
 # which recomputes S and dP per query tile: 7 MMA units per tile pair against 5, but no fp32 dQ
-# reduce-adds) where the query tiles attend SEPARATE_DQ_KEYS keys on average. H100, interleaved,
+# reduce-adds): at head dim 64 always, at head dim 128 where the query tiles attend
+# SEPARATE_DQ_KEYS keys on average. H100, interleaved, head dim 128,
 # separate / fused bwd over 16 GRPO layouts (single groups and micro-batches of 4-32 groups):
 # 0.771-0.983 on all ten from 447 to 1,340 keys, 1.033-1.112 on the five from 1,569 keys up,
 # 1.118 at 320; with Hq / Hkv = 32 / 4 0.700-0.956 inside, 1.010-1.043 outside (docs/PERF.md,
 # twenty-sixth session §4). Short walks make the fused kernel's dQ traffic the cost; long ones
 # make the recomputed MMAs the cost; very short query tiles make the dQ kernel's start-up the cost.
+# At head dim 64 the separate dQ was faster on all 13 layouts tried, from 320 keys to the
+# published (16, 32768, 1024): bwd 0.896-0.946.
 SEPARATE_DQ_KEYS = (400, 1408)
 
 
 def fast_bwd_separate_dq(segments: SegmentTable, head_dim: int) -> bool:
     """Whether a fast-mode ws backward on this layout runs the deterministic kernels (their
-    result is bitwise reproducible too): at head dim 128 where the mean keys per query tile lie
-    in SEPARATE_DQ_KEYS. MEGATRON_DUALKV_FAST_BWD=fused or =separate forces one (an A/B switch)."""
+    result is bitwise reproducible too): at head dim 64, and at head dim 128 where the mean keys
+    per query tile lie in SEPARATE_DQ_KEYS. MEGATRON_DUALKV_FAST_BWD=fused or =separate forces one
+    (an A/B switch)."""
     forced = os.environ.get("MEGATRON_DUALKV_FAST_BWD", "auto")
     if forced not in ("auto", "fused", "separate"):
         raise ValueError(f"MEGATRON_DUALKV_FAST_BWD must be 'auto', 'fused' or 'separate', got {forced!r}")
     if forced != "auto":
         return forced == "separate"
     lo, hi = SEPARATE_DQ_KEYS
-    return head_dim == 128 and lo <= mean_keys_per_query_tile(segments) <= hi
+    return head_dim == 64 or (head_dim == 128 and lo <= mean_keys_per_query_tile(segments) <= hi)
 
 
 def ws_fwd_narrow_tail() -> bool:
@@ -768,7 +772,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     (wgmma, synchronous) or "mma" (mma.sync kernels); deterministic=True: bitwise reproducible
     backward (ws: dK/dV by the ws kernel, split key tiles' parts summed in part order, dQ by the
     ws dQ kernel). With deterministic=False the ws backward still takes those kernels where they
-    are the faster ones (`fast_bwd_separate_dq`: GRPO layouts of short prompts and responses).
+    are the faster ones (`fast_bwd_separate_dq`: head dim 64, and at head dim 128 GRPO layouts of
+    short prompts and responses).
     $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD set the defaults.
     q_rows: int64 [Tq], ascending packed rows of q's rows when q holds only some queries (context
     parallelism) while k, v hold all T rows; runs on the ws kernels, fast-mode backward only.

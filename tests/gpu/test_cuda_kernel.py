@@ -464,33 +464,34 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
     ([(128, [256] * 8)], False),                    # 320: short query tiles, the dQ kernel's start-up
 ])
 def test_fast_mode_picks_its_backward(groups, separate, monkeypatch):
-    """Fast mode takes the deterministic kernels where the layout's query tiles attend
-    SEPARATE_DQ_KEYS keys on average, at head dim 128 only; MEGATRON_DUALKV_FAST_BWD forces either
-    and names itself when set to anything else."""
+    """Fast mode takes the deterministic kernels at head dim 64, and at head dim 128 where the
+    layout's query tiles attend SEPARATE_DQ_KEYS keys on average; MEGATRON_DUALKV_FAST_BWD forces
+    either and names itself when set to anything else."""
     seg = make_segments(groups, device="cpu")
     lo, hi = cuda_backend.SEPARATE_DQ_KEYS
     keys = cuda_backend.mean_keys_per_query_tile(seg)
     assert (lo <= keys <= hi) == separate, keys
     monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "auto")
     assert cuda_backend.fast_bwd_separate_dq(seg, 128) == separate
-    assert not cuda_backend.fast_bwd_separate_dq(seg, 64)
-    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "separate")
     assert cuda_backend.fast_bwd_separate_dq(seg, 64)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "separate")
+    assert cuda_backend.fast_bwd_separate_dq(seg, 128)
     monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
-    assert not cuda_backend.fast_bwd_separate_dq(seg, 128)
+    assert not cuda_backend.fast_bwd_separate_dq(seg, 128) and not cuda_backend.fast_bwd_separate_dq(seg, 64)
     monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fast")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_FAST_BWD must be"):
         cuda_backend.fast_bwd_separate_dq(seg, 128)
 
 
 @gpu
-def test_fast_mode_on_the_separate_dq_layouts_is_the_deterministic_backward(monkeypatch):
+@pytest.mark.parametrize("d", [128, 64])
+def test_fast_mode_on_the_separate_dq_layouts_is_the_deterministic_backward(d, monkeypatch):
     """Where fast mode picks the deterministic kernels (switch at auto), its gradients are
     bitwise those of deterministic=True, and within rounding of the fused kernel's (forced)."""
     seg = make_segments([(128, [512] * 6), (100, [300, 700])])
-    q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
     monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "auto")
-    assert cuda_backend.fast_bwd_separate_dq(seg, 128)
+    assert cuda_backend.fast_bwd_separate_dq(seg, d)
     fast = run_kernel(q, k, v, dout, seg, 0.1, deterministic=False, impl="ws", bwd_impl="ws")
     det = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
     for name, i in (("out", 0), ("dq", 2), ("dk", 3), ("dv", 4)):
