@@ -426,14 +426,21 @@ def ws_phase() -> bool:
     return os.environ.get("MEGATRON_DUALKV_WS_PHASE", "1") != "0"
 
 
+def _env_choice(var: str, choices: tuple) -> str:
+    """$var, or choices[0] where unset; any other value than `choices` is an error naming the
+    variable and what it takes (csrc/env_choice.h does the same for the extension's switches)."""
+    value = os.environ.get(var, choices[0])
+    if value not in choices:
+        allowed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ValueError(f"{var} must be {allowed}, got {value!r}")
+    return value
+
+
 def ws_long_band_by_segment() -> bool:
     """Whether the ws backward's first band is grouped by segment like the second (True) or in
     order of work across segments; MEGATRON_DUALKV_WS_LONG_BAND=work keeps the order of work
     (an A/B switch)."""
-    forced = os.environ.get("MEGATRON_DUALKV_WS_LONG_BAND", "segment")
-    if forced not in ("segment", "work"):
-        raise ValueError(f"MEGATRON_DUALKV_WS_LONG_BAND must be 'segment' or 'work', got {forced!r}")
-    return forced == "segment"
+    return _env_choice("MEGATRON_DUALKV_WS_LONG_BAND", ("segment", "work")) == "segment"
 
 
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
@@ -505,7 +512,7 @@ class Work:
                  split: Optional[tuple] = None, phase: bool = False, long_band_by_segment: bool = True):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
-        rows = row_items(segments, 128, chunks)
+        rows = whole_query_tiles(segments) if chunks is None else row_items(segments, 128, chunks)
         self.rows128 = mk(rows)
         # keys per query tile of the whole layout (ws_fwd_tile), so that a context-parallel rank's
         # forward takes the tile width the whole micro-batch takes and gives its rows bitwise
@@ -520,14 +527,18 @@ class Work:
             self.kv128 = mk(kv_items(segments, 128)[0])  # the same ranges
 
 
+def whole_query_tiles(segments: SegmentTable) -> list:
+    """row_items of the whole layout's 128-row query tiles, cached on the layout (the forward's
+    list, and what `mean_keys_per_query_tile` averages)."""
+    return segments.cached("cuda_backend_rows128", lambda: row_items(segments, 128))
+
+
 def mean_keys_per_query_tile(segments: SegmentTable) -> float:
     """The keys a 128-row query tile of the whole layout attends, on average (its last row's, in
-    64-key tiles: the row items' cost); cached on the layout. It picks the forward's key tile
-    (`ws_fwd_tile`) and fast mode's backward (`fast_bwd_separate_dq`)."""
-    def build():
-        rows = row_items(segments, 128)
-        return sum(it[5] for it in rows) * TILE / len(rows)
-    return segments.cached("cuda_backend_mean_keys", build)
+    64-key tiles: the row items' cost). It picks the forward's key tile (`ws_fwd_tile`) and fast
+    mode's backward (`fast_bwd_separate_dq`)."""
+    rows = whole_query_tiles(segments)
+    return sum(it[5] for it in rows) * TILE / len(rows)
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
@@ -553,9 +564,7 @@ def ws_fwd_tile(work: "Work", head_dim: int) -> int:
     """Keys per K/V tile of the ws forward on this layout: 176 at head dim 128 when the query
     tiles attend WIDE_TILE_KEYS keys or more on average, else 128. MEGATRON_DUALKV_WS_FWD_TILE=128
     or 176 forces one (176 only at head dim 128; head dim 64 always takes 128)."""
-    forced = os.environ.get("MEGATRON_DUALKV_WS_FWD_TILE", "auto")
-    if forced not in ("auto", "128", "176"):
-        raise ValueError(f"MEGATRON_DUALKV_WS_FWD_TILE must be 'auto', '128' or '176', got {forced!r}")
+    forced = _env_choice("MEGATRON_DUALKV_WS_FWD_TILE", ("auto", "128", "176"))
     if head_dim != 128:
         return 128
     if forced != "auto":
@@ -582,9 +591,7 @@ def fast_bwd_separate_dq(segments: SegmentTable, head_dim: int) -> bool:
     result is bitwise reproducible too): at head dim 64, and at head dim 128 where the mean keys
     per query tile lie in SEPARATE_DQ_KEYS. MEGATRON_DUALKV_FAST_BWD=fused or =separate forces one
     (an A/B switch)."""
-    forced = os.environ.get("MEGATRON_DUALKV_FAST_BWD", "auto")
-    if forced not in ("auto", "fused", "separate"):
-        raise ValueError(f"MEGATRON_DUALKV_FAST_BWD must be 'auto', 'fused' or 'separate', got {forced!r}")
+    forced = _env_choice("MEGATRON_DUALKV_FAST_BWD", ("auto", "fused", "separate"))
     if forced != "auto":
         return forced == "separate"
     lo, hi = SEPARATE_DQ_KEYS
@@ -598,10 +605,7 @@ def ws_fwd_narrow_tail() -> bool:
     on (28, 4096, 2048), 0.986-0.995 on (28, 16384, R), level within the runs' noise (+-1.5 %) on
     P >= 32768 (docs/PERF.md, twentieth session). MEGATRON_DUALKV_WS_FWD_TAIL=full forces key
     order (an A/B switch)."""
-    forced = os.environ.get("MEGATRON_DUALKV_WS_FWD_TAIL", "auto")
-    if forced not in ("auto", "narrow", "full"):
-        raise ValueError(f"MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full', got {forced!r}")
-    return forced != "full"
+    return _env_choice("MEGATRON_DUALKV_WS_FWD_TAIL", ("auto", "narrow", "full")) != "full"
 
 
 def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:
