@@ -13,6 +13,8 @@ namespace mdkv {
 // TMA tensor map cannot be encoded.
 // narrow_tail: a parent's partial last key tile runs after the row's own tiles with its MMAs
 // narrowed to 64 or 128 keys where they cover its keys; false: in key order at full width.
+// a.tile_counter (a zeroed int) set: persistent CTAs, one per SM, take the query tiles in turn
+// (the same results bitwise); null: one CTA per query tile.
 cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, bool narrow_tail,
                                cudaStream_t stream);
 

@@ -8,9 +8,10 @@
 //     of Q once and of every K/V tile (128 rows) into a 3-stage ring; registers cut to 40
 //     (setmaxnreg) so the consumers can have 232. At head dim 128 the caller may ask for 176-key
 //     tiles instead (kv_tile; cuda_backend.ws_fwd_tile takes them for layouts whose query tiles
-//     attend >= 6144 keys on average): a 2-stage ring, 24 / 240 registers (ptxas spills 12-20
-//     bytes there: the turn's barrier id, reloaded once per tile), 2-4 % faster from (28, 8192, R)
-//     up, 1.6-3 % slower on (28, 4096, R) (docs/PERF.md, fifteenth and twentieth sessions).
+//     attend >= 7680 keys on average): a 2-stage ring, 24 / 240 registers (no spills since the turn
+//     passes take immediate barrier ids; the persistent instance spills 20 bytes), 2-4 % faster
+//     from (28, 8192, R) up, 1.6-3 % slower on (28, 4096, R) (docs/PERF.md, fifteenth and twentieth
+//     sessions).
 //   A parent's partial last key tile (P = 16384 in 176-key tiles: 16 real keys of 176) runs after
 //     the row's own tiles with its MMAs narrowed to 64 or 128 keys when the caller asks
 //     (narrow_tail; cuda_backend.ws_fwd_narrow_tail: on every layout unless forced to key order).
@@ -36,8 +37,10 @@
 //     8 arrivals of one phase always belong to one tile.
 //   q_full: loaded once, parity 0.
 // Named barriers 1 and 2 (256 threads: 128 bar.sync + 128 bar.arrive): consumer 1 arrives once
-// up front, then each consumer passes the turn after each of its n issue sections, except
-// consumer 1 after its last one, so both barriers see equal sync and arrive counts.
+// up front, then each consumer passes the turn after each of its issue sections (a persistent
+// CTA's turns run on from query tile to query tile), and consumer 0 takes consumer 1's last pass
+// before it exits, so both barriers see equal sync and arrive counts.
+// Persistent CTAs (kPersistent, one per SM): see fwd_ws_kernel.
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -98,7 +101,9 @@ struct Smem {
   static constexpr int kK = kQ + kBQ * D * (int)sizeof(T);
   static constexpr int kV = kK + kStages * kBK * D * (int)sizeof(T);
   static constexpr int kBar = kV + kStages * kBK * D * (int)sizeof(T);
-  static constexpr int kBytes = kBar + 8 * KvRing<kStages>::kBarCount + 1024;
+  static constexpr int kQEmpty = kBar + 8 * KvRing<kStages>::kBarCount;  // persistent CTAs only
+  static constexpr int kSlot = kQEmpty + 8;                               // int, persistent CTAs only
+  static constexpr int kBytes = kSlot + 8 + 1024;
   static_assert(kBytes <= 227 * 1024, "shared memory of the ws forward exceeds the 227 KB an sm_90 CTA can have");
 };
 
@@ -137,8 +142,47 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 // the kernel
 // ---------------------------------------------------------------------------------------------
 
-// kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely
-template <typename T, int D, bool kPingPong, int kBK>
+// One 128-row query tile of one query head (a row item of cuda_backend.row_items) and the key tiles
+// it walks: the parent's full tiles, the row's own tiles, then the parent's partial last tile.
+template <int kBK>
+struct FwdTile {
+  int hk, h, q0, q1, self0, par0, par1, qloc, n_par, n_total, tail_w, n_main, n_pfull;
+  // b: the query tile in kv-head-major order; narrow: the parent's partial last tile may run narrowed
+  __device__ __forceinline__ FwdTile(const FwdArgs& a, unsigned b, bool narrow) {
+    const KvHeadMajorBlock blk(b, a.num_items, a.hq, a.hkv);
+    hk = blk.hk;
+    h = blk.h;
+    const int* w = a.work + blk.item * 8;
+    q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4], qloc = w[6];
+    n_par = (par1 - par0 + kBK - 1) / kBK;
+    n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // > n_par: q0 >= self0, q1 > q0
+    // The parent's last key tile holds only `tail` of its kBK keys; the rest are other tokens' rows,
+    // masked (P = 16384 with 176-key tiles: 160 of the 176). Where 64 or 128 keys cover the tail
+    // (tail_w < kBK) that tile goes last, after the row's own tiles, and runs after the loop with
+    // its S and P V narrowed to tail_w keys; the loop's code is the same either way (docs/PERF.md,
+    // nineteenth session: a width chosen inside the loop, or a peeled first step, made ptxas
+    // serialize the wgmmas or cost 2-5 %).
+    const int tail = n_par > 0 ? par1 - par0 - (n_par - 1) * kBK : kBK;
+    tail_w = !narrow || n_par < 1 ? kBK : (tail <= 64 ? 64 : (tail <= 128 ? 128 : kBK));
+    n_main = tail_w < kBK ? n_total - 1 : n_total;  // tiles of the loop: >= 1 (the own rows)
+    n_pfull = tail_w < kBK ? n_par - 1 : n_par;     // parent tiles among them
+  }
+  __device__ __forceinline__ int kv_start(int t) const {
+    if (t < n_pfull) return par0 + t * kBK;
+    if (t < n_main) return self0 + (t - n_pfull) * kBK;
+    return par0 + (n_par - 1) * kBK;  // t = n_main: the narrowed tail
+  }
+};
+
+// kPingPong: consumers take turns issuing their MMAs (named barriers); false: they issue freely.
+// kPersistent: one CTA per SM takes query tiles (blockIdx.x, then from a.tile_counter) until none is
+// left. The producer takes the next tile after issuing the current one's last K/V load (taken when
+// a tile started, a CTA that had just begun a long tile held the next one back from idle SMs:
+// docs/PERF.md, thirteenth session), loads its Q once both consumers' last S MMA has read the
+// current Q (q_empty), and its K/V into the ring as stages free up, so the next tile's start hides
+// under the current tile's last P V product and epilogue. The consumers' code per tile is the
+// one-tile-per-CTA code with the ring position offset by the tiles streamed before.
+template <typename T, int D, bool kPingPong, int kBK, bool kPersistent>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, FwdArgs a, int narrow_tail) {
@@ -151,33 +195,20 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   T* sV = reinterpret_cast<T*>(base + L::kV);
   using Ring = KvRing<kStages>;
   const Ring ring{smem_addr(reinterpret_cast<void*>(base + L::kBar))};
-
-  const KvHeadMajorBlock blk(a.num_items, a.hq, a.hkv);
-  const int hk = blk.hk, h = blk.h;
-  const int* w = a.work + blk.item * 8;
-  const int q0 = w[0], q1 = w[1], self0 = w[2], par0 = w[3], par1 = w[4], qloc = w[6];
-  const int n_par = (par1 - par0 + kBK - 1) / kBK;
-  const int n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // > n_par: q0 >= self0, q1 > q0
-  // The parent's last key tile holds only `tail` of its kBK keys; the rest are other tokens' rows,
-  // masked (P = 16384 with 176-key tiles: 160 of the 176). Where 64 or 128 keys cover the tail
-  // (tail_w < kBK) that tile goes last, after the row's own tiles, and runs after the loop with
-  // its S and P V narrowed to tail_w keys; the loop's code is the same either way (docs/PERF.md,
-  // nineteenth session: a width chosen inside the loop, or a peeled first step, made ptxas
-  // serialize the wgmmas or cost 2-5 %).
-  const int tail = n_par > 0 ? par1 - par0 - (n_par - 1) * kBK : kBK;
-  const int tail_w = !kPingPong || !narrow_tail || n_par < 1 ? kBK : (tail <= 64 ? 64 : (tail <= 128 ? 128 : kBK));
-  const int n_main = tail_w < kBK ? n_total - 1 : n_total;  // tiles of the loop: >= 1 (the own rows)
-  const int n_pfull = tail_w < kBK ? n_par - 1 : n_par;     // parent tiles among them
-  auto kv_start = [&](int t) {
-    if (t < n_pfull) return par0 + t * kBK;
-    if (t < n_main) return self0 + (t - n_pfull) * kBK;
-    return par0 + (n_par - 1) * kBK;  // t = n_main: the narrowed tail
-  };
+  // persistent: q_empty (8 arrivals, lane 0 of each consumer warp: the tile's last S MMA has read Q)
+  // and the slot in which the producer publishes the next query tile (-1: none left)
+  const uint32_t q_empty = smem_addr(reinterpret_cast<void*>(base + L::kQEmpty));
+  volatile int* slot = reinterpret_cast<volatile int*>(base + L::kSlot);
+  const bool narrow = kPingPong && narrow_tail;
+  const FwdTile<kBK> first(a, blockIdx.x, narrow);  // one tile per CTA: this CTA's
 
   // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
 
-  if (threadIdx.x == 0) ring.init();
+  if (threadIdx.x == 0) {
+    if constexpr (kPersistent) mbar_init(q_empty, 8);
+    ring.init();
+  }
   __syncthreads();
 
   if (role == 0) {
@@ -187,10 +218,33 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       prefetch_map(&tm_q);
       prefetch_map(&tm_k);
       prefetch_map(&tm_v);
-      mbar_expect_tx(ring.q_full(), kBQ * D * sizeof(T));
+      // Q of tile ft, then its K/V tiles, the ring's g .. g + n_total - 1
+      auto load_tile = [&](const FwdTile<kBK>& ft, int g) {
+        mbar_expect_tx(ring.q_full(), kBQ * D * sizeof(T));
 #pragma unroll
-      for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, ring.q_full(), p * 64, h, qloc);
-      ring.template load_kv<T, D, kBK>(&tm_k, &tm_v, sK, sV, n_total, hk, kv_start);
+        for (int p = 0; p < D / 64; ++p)
+          tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, ring.q_full(), p * 64, ft.h, ft.qloc);
+        ring.template load_kv<T, D, kBK>(&tm_k, &tm_v, sK, sV, ft.n_total, ft.hk,
+                                         [&](int t) { return ft.kv_start(t); }, g);
+      };
+      if constexpr (!kPersistent) {
+        load_tile(first, 0);
+      } else {
+        const int n_tiles = a.num_items * a.hq;
+        int b = (int)blockIdx.x, g = 0;
+        for (int j = 0;; ++j) {
+          if (j > 0) mbar_wait(q_empty, (j - 1) & 1);  // tile j - 1's Q read (and its slot)
+          *slot = b < n_tiles ? b : -1;
+          if (b >= n_tiles) {
+            mbar_arrive(ring.q_full());  // no bytes: the consumers wake, read -1 and stop
+            break;
+          }
+          const FwdTile<kBK> ft(a, (unsigned)b, narrow);
+          load_tile(ft, g);  // the q_full arrival publishes the slot (release, CTA scope)
+          g += ft.n_total;
+          b = (int)gridDim.x + atomicAdd(a.tile_counter, 1);
+        }
+      }
     }
     return;
   }
@@ -199,122 +253,182 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   regs_inc<KvTile<kBK>::kConsumerRegs>();
   const int cw = role - 1;  // consumer 0 / 1: query rows q0 + 64 * cw ...
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int row_w0 = q0 + cw * 64;
-  const int row_a = row_w0 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
   const T* sQw = sQ + cw * 64 * 64;
   const float sl2 = a.scale_log2;
   const int my_bar = kSchedBar + cw, other_bar = kSchedBar + (cw ^ 1);
+  // The turn pass after each issue section: unconditional (consumer 1's last pass is taken by
+  // consumer 0 at the end) and with the barrier id an immediate. A pass behind a test of the loop's
+  // end ("consumer 1's last turn passes nothing on") with a computed id was issued 13-20
+  // instructions after the MMAs in the persistent kernel (ptxas put the next step's mask setup
+  // first), and at 176-key tiles the id was spilled and reloaded; this form made the one-tile-per-CTA
+  // forward 1.3-2.5 % faster (H100, docs/PERF.md, twenty-seventh session).
+  auto pass_turn = [&]() {
+    if (cw == 0)
+      named_arrive_id<kSchedBar + 1>(256);
+    else
+      named_arrive_id<kSchedBar>(256);
+  };
 
   float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  float m[2], l[2], alpha[2];
   float s[kBK / 2];
   uint32_t pa[kBK / 16][4];
-
-  mbar_wait(ring.q_full(), 0);
-  if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
-
-  // tile 0: S only
-  mbar_wait(ring.k_full(0), 0);
-  if (kPingPong) named_sync(my_bar, 256);
-  wg_fence();
-  wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
-  wg_commit();
-  if (kPingPong && (cw == 0 || n_main > 1)) named_arrive(other_bar, 256);  // consumer 1's last turn passes nothing on
-  wg_wait<0>();
-  reg_fence(s);
-  if (lane == 0) mbar_arrive(ring.k_empty(0));
-  softmax_step<kBK>(s, m, l, alpha, kv_start(0), n_pfull > 0, par1, row_a, row_w0, lane, sl2);
-
-  // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
-  // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
-  // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
-  // SASS), which serializes them again; the loop back edge keeps it below.
-  for (int t = 1; t < n_main; ++t) {
-    const int st = Ring::stage(t), sp = Ring::stage(t - 1);
-    wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
-    reg_fence(o);
-    reg_fence_u(pa);
-    if (lane == 0 && t >= 2) mbar_arrive(ring.v_empty(Ring::stage(t - 2)));
-    rescale<D>(o, alpha);
-    pack_frags<T, kBK>(pa, s);
-    mbar_wait(ring.k_full(st), Ring::parity(t));
-    mbar_wait(ring.v_full(sp), Ring::parity(t - 1));
-    if (kPingPong) named_sync(my_bar, 256);
-    reg_fence(o);
-    reg_fence_u(pa);
-    wg_fence();
-    wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + st * kBK * D);
-    wg_commit();
-    wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sp * kBK * D);
-    wg_commit();
-    if (kPingPong && (cw == 0 || t + 1 < n_main)) named_arrive(other_bar, 256);
-    wg_wait<1>();  // S_t complete, P V still running
-    reg_fence(s);
-    if (lane == 0) mbar_arrive(ring.k_empty(st));
-    softmax_step<kBK>(s, m, l, alpha, kv_start(t), t < n_pfull, par1, row_a, row_w0, lane, sl2);
-  }
-
-  // the last two P V products
-  {
-    wg_wait<0>();
-    reg_fence(o);
-    reg_fence_u(pa);
-    if (lane == 0 && n_main >= 2) mbar_arrive(ring.v_empty(Ring::stage(n_main - 2)));
-    rescale<D>(o, alpha);
-    pack_frags<T, kBK>(pa, s);
-    const int sl = Ring::stage(n_main - 1);
-    mbar_wait(ring.v_full(sl), Ring::parity(n_main - 1));
-    reg_fence(o);
-    reg_fence_u(pa);
-    wg_fence();
-    wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sl * kBK * D);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(o);
-    if (lane == 0) mbar_arrive(ring.v_empty(sl));
-  }
-
-  // the parent's narrowed tail (tile n_main), without overlap: S, softmax, P V
-  auto narrow_tail_tile = [&](auto width) {
-    constexpr int W = decltype(width)::value;
-    const int st = Ring::stage(n_main);
-    float sn[W / 2];
-    mbar_wait(ring.k_full(st), Ring::parity(n_main));
-    wg_fence();
-    wgmma_rows_x_rows<T, D, kBQ, W, kBK>(sn, sQw, 0, sK + st * kBK * D);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(sn);
-    if (lane == 0) mbar_arrive(ring.k_empty(st));
+  auto start_tile = [&]() {
 #pragma unroll
-    for (int i = 0; i < kBK / 2; ++i) s[i] = i < W / 2 ? sn[i] : -INFINITY;
-    softmax_step<kBK>(s, m, l, alpha, kv_start(n_main), true, par1, row_a, row_w0, lane, sl2);
-    rescale<D>(o, alpha);
-    pack_frags<T, kBK>(pa, s);
-    mbar_wait(ring.v_full(st), Ring::parity(n_main));
-    reg_fence(o);
-    reg_fence_u(pa);
-    wg_fence();
-    wgmma_regs_x_tile<T, D, kBK, W / 16>(o, pa, sV + st * kBK * D);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(o);
-    if (lane == 0) mbar_arrive(ring.v_empty(st));
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
   };
-  if (tail_w == 64)
-    narrow_tail_tile(std::integral_constant<int, 64>());
-  else if (tail_w == 128 && kBK > 128)
-    narrow_tail_tile(std::integral_constant<int, 128>());
 
-  // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
-  const long qs = (long)a.hq * D, shift = (long)qloc - q0;
-  // 16-byte stores: 1.5 % faster forward on (28, 4096, R), whose short CTAs wait on the epilogue's
-  // 4-byte stores (lg throttle, drain at exit); 0.1-0.7 % on the long shapes (docs/PERF.md,
-  // twenty-first session)
-  store_out_lse<T, D, true>(reinterpret_cast<T*>(a.out) + h * D + shift * qs, qs, a.lse + (long)h * a.Tq + shift, row_a,
-                      q1, lane, o, m, l);
+  // Query tile ft, once its Q is in: its key tiles are the ring's g, g + 1, ...
+  auto run_tile = [&](const FwdTile<kBK>& ft, const int g) {
+    const int n_main = ft.n_main, n_pfull = ft.n_pfull, tail_w = ft.tail_w, par1 = ft.par1;
+    const int row_w0 = ft.q0 + cw * 64;
+    const int row_a = row_w0 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
+    auto stage = [&](int t) { return Ring::stage(g + t); };
+    auto parity = [&](int t) { return Ring::parity(g + t); };
+    // the loop's ring positions kept incrementally (stage and parity of tiles t and t - 1, stage of
+    // t - 2), so that the loop's code does not depend on g
+    int st_c = stage(1), st_p = stage(0), st_pp = stage(0);
+    uint32_t ph_c = parity(1), ph_p = parity(0);
+
+
+    // tile 0: S only
+    mbar_wait(ring.k_full(stage(0)), parity(0));
+    if (kPingPong) named_sync(my_bar, 256);
+    wg_fence();
+    wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + stage(0) * kBK * D);
+    wg_commit();
+    if (kPingPong) pass_turn();
+    wg_wait<0>();
+    reg_fence(s);
+    if (lane == 0) mbar_arrive(ring.k_empty(stage(0)));
+    softmax_step<kBK>(s, m, l, alpha, ft.kv_start(0), n_pfull > 0, par1, row_a, row_w0, lane, sl2);
+
+    // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
+    // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
+    // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
+    // SASS), which serializes them again; the loop back edge keeps it below.
+    for (int t = 1; t < n_main; ++t) {
+      const int st = st_c, sp = st_p;
+      wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
+      reg_fence(o);
+      reg_fence_u(pa);
+      if (lane == 0 && t >= 2) mbar_arrive(ring.v_empty(st_pp));
+      rescale<D>(o, alpha);
+      pack_frags<T, kBK>(pa, s);
+      mbar_wait(ring.k_full(st), ph_c);
+      mbar_wait(ring.v_full(sp), ph_p);
+      if (kPingPong) named_sync(my_bar, 256);
+      reg_fence(o);
+      reg_fence_u(pa);
+      wg_fence();
+      wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK + st * kBK * D);
+      wg_commit();
+      wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sp * kBK * D);
+      wg_commit();
+      if (kPingPong) pass_turn();
+      wg_wait<1>();  // S_t complete, P V still running
+      reg_fence(s);
+      if (lane == 0) mbar_arrive(ring.k_empty(st));
+      softmax_step<kBK>(s, m, l, alpha, ft.kv_start(t), t < n_pfull, par1, row_a, row_w0, lane, sl2);
+      st_pp = st_p;
+      st_p = st_c;
+      ph_p = ph_c;
+      if (++st_c == kStages) {
+        st_c = 0;
+        ph_c ^= 1u;
+      }
+    }
+    if constexpr (kPersistent)
+      if (lane == 0 && tail_w == kBK) mbar_arrive(q_empty);  // the loop's last S was the tile's last
+
+    // the last two P V products
+    {
+      wg_wait<0>();
+      reg_fence(o);
+      reg_fence_u(pa);
+      if (lane == 0 && n_main >= 2) mbar_arrive(ring.v_empty(stage(n_main - 2)));
+      rescale<D>(o, alpha);
+      pack_frags<T, kBK>(pa, s);
+      const int sl = stage(n_main - 1);
+      mbar_wait(ring.v_full(sl), parity(n_main - 1));
+      reg_fence(o);
+      reg_fence_u(pa);
+      wg_fence();
+      wgmma_regs_x_tile<T, D, kBK>(o, pa, sV + sl * kBK * D);
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+      if (lane == 0) mbar_arrive(ring.v_empty(sl));
+    }
+
+    // the parent's narrowed tail (tile n_main), without overlap: S, softmax, P V
+    auto narrow_tail_tile = [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      const int st = stage(n_main);
+      float sn[W / 2];
+      mbar_wait(ring.k_full(st), parity(n_main));
+      wg_fence();
+      wgmma_rows_x_rows<T, D, kBQ, W, kBK>(sn, sQw, 0, sK + st * kBK * D);
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(sn);
+      if (lane == 0) {
+        mbar_arrive(ring.k_empty(st));
+        if constexpr (kPersistent) mbar_arrive(q_empty);
+      }
+#pragma unroll
+      for (int i = 0; i < kBK / 2; ++i) s[i] = i < W / 2 ? sn[i] : -INFINITY;
+      softmax_step<kBK>(s, m, l, alpha, ft.kv_start(n_main), true, par1, row_a, row_w0, lane, sl2);
+      rescale<D>(o, alpha);
+      pack_frags<T, kBK>(pa, s);
+      mbar_wait(ring.v_full(st), parity(n_main));
+      reg_fence(o);
+      reg_fence_u(pa);
+      wg_fence();
+      wgmma_regs_x_tile<T, D, kBK, W / 16>(o, pa, sV + st * kBK * D);
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+      if (lane == 0) mbar_arrive(ring.v_empty(st));
+    };
+    if (tail_w == 64)
+      narrow_tail_tile(std::integral_constant<int, 64>());
+    else if (tail_w == 128 && kBK > 128)
+      narrow_tail_tile(std::integral_constant<int, 128>());
+
+    // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
+    const long qs = (long)a.hq * D, shift = (long)ft.qloc - ft.q0;
+    // 16-byte stores: 1.5 % faster forward on (28, 4096, R), whose short CTAs wait on the epilogue's
+    // 4-byte stores (lg throttle, drain at exit); 0.1-0.7 % on the long shapes (docs/PERF.md,
+    // twenty-first session)
+    store_out_lse<T, D, true>(reinterpret_cast<T*>(a.out) + ft.h * D + shift * qs, qs,
+                              a.lse + (long)ft.h * a.Tq + shift, row_a, ft.q1, lane, o, m, l);
+  };
+
+  if constexpr (!kPersistent) {
+    start_tile();
+    mbar_wait(ring.q_full(), 0);
+    if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
+    run_tile(first, 0);
+  } else {
+    int g = 0;  // K/V tiles of this CTA's earlier query tiles
+    if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
+    for (int j = 0;; ++j) {
+      mbar_wait(ring.q_full(), j & 1);
+      // read through a shuffle the slot is warp-uniform to the compiler: the tile's fields, the ring
+      // position and so the wgmma descriptors stay in uniform registers (a plain shared load left
+      // them in vector registers, an R2UR before every HGMMA: the loop 12 % slower, thirteenth session)
+      const int b = __shfl_sync(0xffffffffu, *slot, 0);
+      if (b < 0) break;
+      const FwdTile<kBK> ft(a, (unsigned)b, narrow);
+      start_tile();
+      run_tile(ft, g);
+      g += ft.n_total;
+    }
+  }
+  if (kPingPong && cw == 0) named_sync(my_bar, 256);  // consumer 1's last pass
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -324,18 +438,30 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 template <typename T, int D, int kBK>
 static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, bool narrow_tail, cudaStream_t stream) {
   using L = Smem<T, D, kBK>;
-  // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings)
+  // MEGATRON_DUALKV_WS_PINGPONG=0: consumers without turns (an A/B switch for the first timings),
+  // one tile per CTA; persistent CTAs where the caller passes a tile counter (with turns only)
   const char* pp = std::getenv("MEGATRON_DUALKV_WS_PINGPONG");
-  auto k = (pp && std::atoi(pp) == 0) ? fwd_ws_kernel<T, D, false, kBK> : fwd_ws_kernel<T, D, true, kBK>;
+  const bool turns = !(pp && std::atoi(pp) == 0), persistent = turns && a.tile_counter != nullptr;
+  auto k = !turns ? fwd_ws_kernel<T, D, false, kBK, false>
+                  : (persistent ? fwd_ws_kernel<T, D, true, kBK, true> : fwd_ws_kernel<T, D, true, kBK, false>);
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
   if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
+  const long n_tiles = (long)a.num_items * a.hq;
+  long grid = n_tiles;
+  if (persistent) {
+    int dev = 0, sms = 0;
+    if ((e = cudaGetDevice(&dev)) != cudaSuccess ||
+        (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
+      return e;
+    grid = n_tiles < sms ? n_tiles : sms;  // one CTA per SM (its shared memory holds one)
+  }
   CUtensorMap mq, mk, mv;
   const int es = (int)sizeof(T);
   if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
       !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
-  k<<<(unsigned)a.num_items * a.hq, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? 1 : 0);
+  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? 1 : 0);
   return cudaGetLastError();
 }
 

@@ -18,6 +18,8 @@ struct FwdArgs {
   int T, hq, hkv;
   int Tq;  // rows of q / out / lse: T, or fewer for local queries (ws forward only: item field 6)
   float scale, scale_log2;
+  // ws forward: a zeroed int, the tiles taken by persistent CTAs (one per SM); null: one CTA per tile
+  int* tile_counter = nullptr;
 };
 
 struct DeltaArgs {

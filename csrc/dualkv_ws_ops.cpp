@@ -2,10 +2,12 @@
 // csrc/dualkv_bwd_ws_sm90.cu), added to the `megatron_dualkv` library defined in
 // csrc/dualkv_ops.cpp:
 //
-//   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale, kv_tile=128, narrow_tail=True) -> (out [Tq,Hq,D], lse [Hq,Tq] fp32)
+//   megatron_dualkv::fwd_ws_sm90(q, k, v, row_work, scale, kv_tile=128, narrow_tail=True, persistent=False)
+//                                -> (out [Tq,Hq,D], lse [Hq,Tq] fp32)
 //     kv_tile: keys per tile, 128 or (head dim 128 only) 176; narrow_tail: a parent's partial last
 //     key tile after the row's own tiles, its MMAs narrowed to 64 or 128 keys (else in key order at
-//     full width; cuda_backend.ws_fwd_narrow_tail chooses)
+//     full width; cuda_backend.ws_fwd_narrow_tail chooses); persistent: one CTA per SM takes the
+//     query tiles in turn (bitwise the same out and lse; cuda_backend.ws_fwd_persistent chooses)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
 //                                deterministic, split_slots=0) -> (dq, dk, dv)
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
@@ -54,14 +56,19 @@ void check_ws_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
 
 std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       const at::Tensor& row_work, double scale, int64_t kv_tile,
-                                                      bool narrow_tail) {
+                                                      bool narrow_tail, bool persistent) {
   check_ws_qkv(q, k, v);
   check_work(row_work, q, "row_work", 8);
   TORCH_CHECK(kv_tile == 128 || (kv_tile == 176 && q.size(2) == 128),
               "megatron_dualkv: fwd_ws_sm90 takes key tiles of 128 keys, or 176 at head dim 128; got ", kv_tile,
               " at head dim ", q.size(2));
   c10::cuda::CUDAGuard guard(q.device());
-  const FwdCall c = fwd_call(q, k, v, row_work, scale);
+  FwdCall c = fwd_call(q, k, v, row_work, scale);
+  at::Tensor tile_counter;  // persistent CTAs take their next query tile from it
+  if (persistent) {
+    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    c.args.tile_counter = tile_counter.data_ptr<int>();
+  }
   auto err = mdkv::launch_fwd_ws_sm90(c.args, dtype_code(q), q.size(2), (int)kv_tile, narrow_tail,
                                       at::cuda::getCurrentCUDAStream());
   check_launch(err, "fwd_ws_sm90", true);
@@ -175,16 +182,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 
 // The format of the ws work lists and ops this build reads (cuda_backend.WS_LIST_FORMAT; 2: kv item
 // field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile; 4: and narrow_tail; 5: a
-// split part's field 7 is (slot << 20) | (part << 10) | parts, and deterministic lists split). The
-// package refuses a build that reads another format: a format-1 build would take a phase walk for a
-// split part and write outside its workspace, a format-2 one has no kv_tile argument, a format-3
-// one no narrow_tail, a format-4 one would read a part's slot from the wrong bits.
-constexpr int64_t kWsListFormat = 5;
+// split part's field 7 is (slot << 20) | (part << 10) | parts, and deterministic lists split; 6:
+// fwd_ws_sm90 takes persistent). The package refuses a build that reads another format: a format-1
+// build would take a phase walk for a split part and write outside its workspace, a format-2 one
+// has no kv_tile argument, a format-3 one no narrow_tail, a format-4 one would read a part's slot
+// from the wrong bits, a format-5 one has no persistent argument.
+constexpr int64_t kWsListFormat = 6;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
   std::string ws_fwd = mdkv::op_args::fwd_schema("fwd_ws_sm90");
-  ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True");
+  ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True, bool persistent=False");
   m.def(ws_fwd.c_str());
   std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
   ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0");

@@ -56,6 +56,11 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// the same with the id an immediate: nothing to compute before the arrive
+template <int kId>
+__device__ __forceinline__ void named_arrive_id(int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "r"(count) : "memory");
+}
 
 // Whether a 384-thread CTA (1 producer + 2 consumer warpgroups, launch bounds 1 block) can run
 // regs_dec<producer> / regs_inc<consumer>: it starts with 168 registers per thread, and
@@ -109,18 +114,19 @@ struct KvRing {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   // The producer thread: key tiles 0 .. n - 1 (rows kv_start(t) .. + kBK of kv head hk), K then V of
-  // each into its stage once both consumers released the stage's previous tile
+  // each into its stage once both consumers released the stage's previous tile. g0: the tiles this
+  // ring carried before (a persistent CTA's earlier query tiles); tile t is the ring's g0 + t.
   template <typename T, int D, int kBK, typename KvStart>
   __device__ __forceinline__ void load_kv(const CUtensorMap* tm_k, const CUtensorMap* tm_v, T* sK, T* sV, int n,
-                                          int hk, const KvStart& kv_start) const {
+                                          int hk, const KvStart& kv_start, int g0 = 0) const {
     constexpr uint32_t kTileBytes = kBK * D * sizeof(T);
     for (int t = 0; t < n; ++t) {
-      const int st = stage(t), k0 = kv_start(t);
-      if (t >= kStages) mbar_wait(k_empty(st), parity(t) ^ 1);
+      const int g = g0 + t, st = stage(g), k0 = kv_start(t);
+      if (g >= kStages) mbar_wait(k_empty(st), parity(g) ^ 1);
       mbar_expect_tx(k_full(st), kTileBytes);
 #pragma unroll
       for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sK + st * kBK * D + p * kBK * 64), tm_k, k_full(st), p * 64, hk, k0);
-      if (t >= kStages) mbar_wait(v_empty(st), parity(t) ^ 1);
+      if (g >= kStages) mbar_wait(v_empty(st), parity(g) ^ 1);
       mbar_expect_tx(v_full(st), kTileBytes);
 #pragma unroll
       for (int p = 0; p < D / 64; ++p) tma_load(smem_addr(sV + st * kBK * D + p * kBK * 64), tm_v, v_full(st), p * 64, hk, k0);
@@ -131,15 +137,16 @@ struct KvRing {
 // kv-head-major block order of the ws forward and dQ kernels (kv head, row item, query head of its
 // group): the CTAs resident at once stream one kv head's K/V, so L2 keeps it (item-major, all 8 kv
 // heads' K/V competed: on (16, 65536, 2048) 131 GB of DRAM reads instead of 5, the forward 5 %
-// slower; docs/PERF.md)
+// slower; docs/PERF.md). A persistent forward CTA takes its query tiles b in the same order.
 struct KvHeadMajorBlock {
   int hk, item, h;
-  __device__ __forceinline__ KvHeadMajorBlock(int num_items, int hq, int hkv) {
+  __device__ __forceinline__ KvHeadMajorBlock(int num_items, int hq, int hkv) : KvHeadMajorBlock(blockIdx.x, num_items, hq, hkv) {}
+  __device__ __forceinline__ KvHeadMajorBlock(unsigned b, int num_items, int hq, int hkv) {
     const int group = hq / hkv;
     const int per_hk = num_items * group;
-    hk = (int)(blockIdx.x / per_hk);
-    item = (int)(blockIdx.x % per_hk) / group;
-    h = hk * group + (int)(blockIdx.x % group);
+    hk = (int)(b / per_hk);
+    item = (int)(b % per_hk) / group;
+    h = hk * group + (int)(b % group);
   }
 };
 

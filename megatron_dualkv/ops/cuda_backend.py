@@ -97,8 +97,9 @@ def _load() -> tuple[bool, str]:
 # is the one a build reads. 2: kv item field 7 < 0 marks a phase-aligned walk (a build before it
 # would take such an item for a split part and write outside its workspace); 3: fwd_ws_sm90 takes
 # the key tile width (kv_tile); 4: and narrow_tail; 5: a split part's field 7 is
-# (slot << 20) | (part << 10) | parts (a format-4 build would read its slot from the wrong bits).
-WS_LIST_FORMAT = 5
+# (slot << 20) | (part << 10) | parts (a format-4 build would read its slot from the wrong bits);
+# 6: fwd_ws_sm90 takes persistent.
+WS_LIST_FORMAT = 6
 
 
 def _list_format_problem() -> str:
@@ -608,6 +609,28 @@ def ws_fwd_narrow_tail() -> bool:
     return _env_choice("MEGATRON_DUALKV_WS_FWD_TAIL", ("auto", "narrow", "full")) != "full"
 
 
+# Mean keys per query tile below which the ws forward runs persistent CTAs (one per SM, taking the
+# query tiles in turn, the next tile's Q and first K/V loaded under the current one's end): short
+# walks, where each CTA's start and end weigh. H100, forward alone, interleaved, persistent / one
+# CTA per query tile, head dim 128: 0.881-0.970 on the six GRPO layouts from 320 to 1,245 keys
+# ((256, 128, 256), (128, 128, 512), 16 x (8, 250, 512), (64, 512, 512), (64, 256, 1024),
+# 8 x (16, 500, 1024)), 0.992 on (16, 512, 1024) (1,065), 1.000 on (32, 1024, 1024) (1,569), and
+# 1.016-1.065 on longer walks, where the persistent loop runs each step a little slower (cause not
+# found; docs/PERF.md, twenty-seventh session). Head dim 64: 0.924 on (64, 256, 1024), 1.025 on
+# (16, 512, 1024).
+PERSISTENT_FWD_KEYS = 1408
+
+
+def ws_fwd_persistent(work: "Work") -> bool:
+    """Whether the ws forward on this layout runs persistent CTAs: where its query tiles attend
+    fewer than PERSISTENT_FWD_KEYS keys on average. Out and lse are bitwise the same either way.
+    MEGATRON_DUALKV_WS_FWD_PERSISTENT=1 or =0 forces one (an A/B switch)."""
+    forced = _env_choice("MEGATRON_DUALKV_WS_FWD_PERSISTENT", ("auto", "0", "1"))
+    if forced != "auto":
+        return forced == "1"
+    return work.fwd_mean_keys < PERSISTENT_FWD_KEYS
+
+
 def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:
     """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs, per_part), or
     None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA; for A/B timings). per_part: the
@@ -672,7 +695,7 @@ def _register_python_side() -> None:
     torch.library.register_fake("megatron_dualkv::fwd")(_fwd_fake)
     torch.library.register_fake("megatron_dualkv::fwd_sm90")(_fwd_fake)
 
-    def _fwd_ws_fake(q, k, v, row_work, scale, kv_tile=128, narrow_tail=True):
+    def _fwd_ws_fake(q, k, v, row_work, scale, kv_tile=128, narrow_tail=True, persistent=False):
         return _fwd_fake(q, k, v, row_work, scale)
 
     if _has_op("fwd_ws_sm90"):  # absent from extensions built before it existed
@@ -691,8 +714,8 @@ class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
     bwd_kind, split_slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
     (`_lists` picks the work lists that match both kinds); split_slots: the ws backward's key tiles
-    split by query rows; fwd_tiling: the ws forward's (keys per tile, narrowed parent tail)
-    (`ws_fwd_tile`, `ws_fwd_narrow_tail`)."""
+    split by query rows; fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
+    persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`, `ws_fwd_persistent`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
@@ -809,7 +832,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     split = ws_split(q, k, per_part=bool(deterministic)) if bi == "ws" else None
     work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase(), ws_long_band_by_segment())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
-    fwd_tiling = (ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail()) if fi == "ws" else (128, False)
+    fwd_tiling = ((ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail(), ws_fwd_persistent(work)) if fi == "ws"
+                  else (128, False, False))
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
                                  slots, fwd_tiling)
 

@@ -189,6 +189,7 @@ IMPLS = {
     "wsfwd-no-pingpong": ("ws", "sm90"),  # consumers issuing without turns
     "wsfwd-176": ("ws", "sm90"),          # 176-key tiles at head dim 128 (MEGATRON_DUALKV_WS_FWD_TILE=176)
     "wsfwd-176-full-tail": ("ws", "sm90"),  # the same, the parent's last tile in key order at full width
+    "wsfwd-persistent": ("ws", "sm90"),   # one CTA per SM taking query tiles in turn (MEGATRON_DUALKV_WS_FWD_PERSISTENT=1)
     "wsbwd": ("sm90", "ws"),
     "wsbwd-no-turns": ("sm90", "ws"),     # consumers issuing without turns
     "wsbwd-atomic-dq": ("sm90", "ws"),    # dQ by float2 atomics instead of the TMA reduce-add
@@ -212,6 +213,8 @@ def test_against_float64_and_replicated_sdpa(case, impl, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "176")
     if impl == "wsfwd-176-full-tail":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "full")
+    if impl == "wsfwd-persistent":
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "1")
     if impl == "wsbwd-no-turns":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_BWD_TURNS", "0")
     if impl == "wsbwd-atomic-dq":
@@ -743,6 +746,36 @@ def test_ws_forward_tail_first_matches_key_order(tile, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("tile", [128, 176])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_ws_forward_persistent_is_one_tile_per_cta_bitwise(case, tile, monkeypatch):
+    """Persistent CTAs (one per SM, query tiles taken in turn, the K/V ring and the consumers'
+    turns running on from tile to tile, the next Q loaded under the current tile's end) give
+    bitwise the out and lse of one CTA per query tile, every element written (NaN-poisoned
+    buffers): CASES (odd prompts, narrowed partial prompt tiles, GQA 32/8 and 32/4, both head
+    dims and dtypes, each SM taking many query tiles of unequal length), a layout of fewer query
+    tiles than SMs, and a context-parallel rank's local queries."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, _ = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=77 + case + random.randrange(1 << 20))
+    small = make_segments([(100, [30, 7])])
+    qs, ks, vs, _ = inputs(small.num_tokens, 4, 2, d, dtype, seed=5 + case)
+    rows = cp_like_rows(seg.num_tokens, seed=case)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", str(tile))
+    got = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", mode)
+        poison_allocator(4 * q.numel() * q.element_size() + (64 << 20))
+        got[mode] = (cuda_backend.forward(q, k, v, seg, 0.11, fwd_impl="ws"),
+                     cuda_backend.forward(qs, ks, vs, small, 0.11, fwd_impl="ws"),
+                     cuda_backend.forward(q[rows].contiguous(), k, v, seg, 0.11, q_rows=rows))
+    for what, one, pers in zip(("whole batch", "8 query tiles", "local queries"), got["0"], got["1"]):
+        for name, a, b in zip(("out", "lse"), one, pers):
+            assert torch.isfinite(b).all(), f"{what}: persistent {name} has unwritten or non-finite elements"
+            assert torch.equal(a, b), f"{what}: persistent {name} differs from one CTA per query tile"
+
+
+@gpu
 def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
     seg = make_segments([(100, [30, 7])])
     q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
@@ -1063,6 +1096,20 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full'"):
         cuda_backend.ws_fwd_narrow_tail()
+    # persistent CTAs below PERSISTENT_FWD_KEYS mean keys, unless forced either way
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", raising=False)
+    keys = cuda_backend.PERSISTENT_FWD_KEYS
+    at = type("W", (), {"fwd_mean_keys": keys})()
+    under = type("W", (), {"fwd_mean_keys": keys - 1})()
+    assert not cuda_backend.ws_fwd_persistent(at) and cuda_backend.ws_fwd_persistent(under)
+    assert cuda_backend.ws_fwd_persistent(work) == (work.fwd_mean_keys < keys)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "1")
+    assert cuda_backend.ws_fwd_persistent(at) and cuda_backend.ws_fwd_persistent(long_rows)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "0")
+    assert not cuda_backend.ws_fwd_persistent(under)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "yes")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_PERSISTENT must be 'auto', '0' or '1'"):
+        cuda_backend.ws_fwd_persistent(work)
 
 
 @pytest.mark.parametrize("groups, local", [
