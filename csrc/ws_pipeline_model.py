@@ -9,7 +9,9 @@ interleavings, with TMA completions and wgmma-group completions at random later 
 follow PTX semantics (arrival count + transaction bytes, phases, try_wait.parity); named barriers
 count the other warpgroup's arrivals. Checked: no deadlock, every MMA reads the stage holding
 the tile it wants, no TMA write lands in a stage an MMA still reads, one phase never mixes two
-tiles' arrivals, and no named-barrier arrival is left over. The backward model splits each
+tiles' arrivals, and no named-barrier arrival is left over. The forward is also replayed as a
+persistent CTA taking several query tiles (the ring and the turns running on, Q reloaded after
+q_empty), with mutations it must catch (FWD_MUTATIONS). The backward model splits each
 consumer into thread 0 and the other 127 threads and covers both dQ modes (atomics; TMA
 reduce-add through a staging tile, MEGATRON_DUALKV_WS_DQ=tma) and both step widths (64 rows;
 80, the default at head dim 128), with mutations of the staging protocol that it must catch
@@ -305,43 +307,52 @@ def _groups_run(agents, tma, mma, readers, land, rnd, limit=200000):
 
 class KvRing:
     """The K/V ring of the ws forward and dQ kernels (one agent per consumer warpgroup): a
-    producer loading Q once and K then V of every tile into stage t % stages after both consumers
+    producer loading Q and K then V of every key tile into stage t % stages after both consumers
     released the stage's previous tile, wgmma groups retired in order, the consumers' turns.
-    Checked on every read, landing and release: an MMA reads the stage holding its tile, no TMA
-    lands in a stage still read, one mbarrier phase never mixes two tiles' releases."""
-    def __init__(s, n, stages):
-        s.n, s.stages = n, stages
-        s.q_full = MBar(1)
+    tiles: the key tiles of each query tile a CTA takes in turn (the persistent forward; default one
+    query tile of n). The ring runs on across query tiles (key tile t of query tile j is the ring's
+    sum of the earlier counts + t); Q of query tile j loads once both consumers arrived on q_empty
+    for query tile j - 1. Checked on every read, landing and release: an MMA reads the stage holding
+    its tile (and the Q of its query tile), no TMA lands in a stage (or Q) still read, one mbarrier
+    phase never mixes two tiles' releases."""
+    def __init__(s, n, stages, tiles=None, mutation=None):
+        s.tiles = list(tiles) if tiles else [n]
+        s.n, s.stages, s.mutation = s.tiles[0], stages, mutation
+        s.q_full, s.q_empty = MBar(1), MBar(2)
         s.kf, s.vf = [MBar(1) for _ in range(stages)], [MBar(1) for _ in range(stages)]
         s.ke, s.ve = [MBar(2) for _ in range(stages)], [MBar(2) for _ in range(stages)]  # 2 WGs (8 warps as 2)
-        s.held = {"K": [None] * stages, "V": [None] * stages}
-        s.readers = {"K": [[] for _ in range(stages)], "V": [[] for _ in range(stages)]}
+        s.held = {"K": [None] * stages, "V": [None] * stages, "Q": [None]}
+        s.readers = {"K": [[] for _ in range(stages)], "V": [[] for _ in range(stages)], "Q": [[]]}
         s.released = {"K": [set() for _ in range(stages)], "V": [set() for _ in range(stages)]}
         s.tma, s.mma, s.named = [], {0: [], 1: []}, [0, 0]
 
     def producer(s):
-        s.q_full.arrive(tx=1); s.tma.append(("Q", 0, 0, s.q_full))
-        for t in range(s.n):
-            st, par = t % s.stages, (t // s.stages) & 1
-            if t >= s.stages:
-                while not s.ke[st].done(par ^ 1): yield
-            s.kf[st].arrive(tx=1); s.tma.append(("K", st, t, s.kf[st]))
-            if t >= s.stages:
-                while not s.ve[st].done(par ^ 1): yield
-            s.vf[st].arrive(tx=1); s.tma.append(("V", st, t, s.vf[st]))
+        g = 0
+        for j, n in enumerate(s.tiles):
+            if j > 0 and s.mutation != "q_before_q_empty":
+                while not s.q_empty.done((j - 1) & 1): yield
+            s.q_full.arrive(tx=1); s.tma.append(("Q", 0, j, s.q_full))
+            for t in range(g, g + n):
+                st, par = t % s.stages, (t // s.stages) & 1
+                if t >= s.stages:
+                    while not s.ke[st].done(par ^ 1): yield
+                s.kf[st].arrive(tx=1); s.tma.append(("K", st, t, s.kf[st]))
+                if t >= s.stages:
+                    while not s.ve[st].done(par ^ 1): yield
+                s.vf[st].arrive(tx=1); s.tma.append(("V", st, t, s.vf[st]))
+            g += n
 
     def land(s, kind, st, t, bar):
-        if kind != "Q":
-            assert not s.readers[kind][st], f"TMA {kind}{t} lands in stage {st} read by {s.readers[kind][st]}"
-            s.held[kind][st] = t
+        assert not s.readers[kind][st], f"TMA {kind}{t} lands in stage {st} read by {s.readers[kind][st]}"
+        s.held[kind][st] = t
         bar.complete_tx(1)
 
-    def group(s, w, reads):  # one wgmma group of WG w reading tiles [(kind, t)]
+    def group(s, w, reads):  # one wgmma group of WG w reading tiles [(kind, t)] (Q: t = query tile)
         for kind, t in reads:
-            st = t % s.stages
+            st = 0 if kind == "Q" else t % s.stages
             assert s.held[kind][st] == t, f"WG{w} reads {kind}{t} from stage {st} holding {s.held[kind][st]}"
             s.readers[kind][st].append((w, t))
-        s.mma[w].append([(kind, t % s.stages, t) for kind, t in reads])
+        s.mma[w].append([(kind, 0 if kind == "Q" else t % s.stages, t) for kind, t in reads])
 
     def release(s, kind, t):
         st = t % s.stages
@@ -369,39 +380,65 @@ class KvRing:
         return steps
 
 
+FWD_MUTATIONS = {  # mutation -> what the persistent forward would do wrong (each must make run fail)
+    "q_before_q_empty": "the next query tile's Q loaded without waiting for q_empty",
+    "q_empty_at_start": "a consumer arrives on q_empty as its query tile starts, before its S MMAs read Q",
+    "no_final_take": "consumer 0 does not take consumer 1's last turn pass before it exits",
+    "turn_up_front_per_tile": "consumer 1 arrives up front at every query tile, not once",
+}
+
+
 def _fwd_consumer(r, w):
-    """The ws forward (csrc/dualkv_fwd_ws_sm90.cu): S_t (K_t) and O += P_{t-1} V_{t-1} as two
-    groups of one turn; K_t released once S_t completed, V_{t-1} once its P V group did."""
-    n = r.n
-    while not r.q_full.done(0): yield
-    if w == 1: r.narrive(1)
-    yield from r.full(r.kf, 0)
-    yield from r.nsync(w)
-    r.group(w, [("K", 0)])
-    if w == 0 or n > 1: r.narrive(w)
-    yield from r.wait_groups(w, 0)
-    r.release("K", 0)
-    for t in range(1, n):
-        yield from r.wait_groups(w, 0)
-        if t >= 2: r.release("V", t - 2)
-        yield from r.full(r.kf, t)
-        yield from r.full(r.vf, t - 1)
+    """The ws forward (csrc/dualkv_fwd_ws_sm90.cu): S_t (Q, K_t) and O += P_{t-1} V_{t-1} as two
+    groups of one turn; K_t released once S_t completed, V_{t-1} once its P V group did, q_empty
+    once the query tile's last S completed. Every section passes the turn (consumer 1's last pass
+    of a query tile is consumer 0's first turn of the next); consumer 0 takes the last pass before
+    it exits. The query tile's parent tail (narrowed, no turns) is not modelled."""
+    g = 0
+    if w == 1: r.narrive(1)  # consumer 0 takes the first turn
+    for j, n in enumerate(r.tiles):
+        while not r.q_full.done(j & 1): yield
+        if w == 1 and j > 0 and r.mutation == "turn_up_front_per_tile": r.narrive(1)
+        if r.mutation == "q_empty_at_start": r.q_empty.arrive()
+        yield from r.full(r.kf, g)
         yield from r.nsync(w)
-        r.group(w, [("K", t)]); r.group(w, [("V", t - 1)])
-        if w == 0 or t + 1 < n: r.narrive(w)
-        yield from r.wait_groups(w, 1)
-        r.release("K", t)
-    yield from r.wait_groups(w, 0)
-    if n >= 2: r.release("V", n - 2)
-    yield from r.full(r.vf, n - 1)
-    r.group(w, [("V", n - 1)])
-    yield from r.wait_groups(w, 0)
-    r.release("V", n - 1)
+        r.group(w, [("Q", j), ("K", g)])
+        r.narrive(w)
+        yield from r.wait_groups(w, 0)
+        r.release("K", g)
+        for t in range(g + 1, g + n):
+            yield from r.wait_groups(w, 0)
+            if t >= g + 2: r.release("V", t - 2)
+            yield from r.full(r.kf, t)
+            yield from r.full(r.vf, t - 1)
+            yield from r.nsync(w)
+            r.group(w, [("Q", j), ("K", t)]); r.group(w, [("V", t - 1)])
+            r.narrive(w)
+            yield from r.wait_groups(w, 1)
+            r.release("K", t)
+        if r.mutation != "q_empty_at_start": r.q_empty.arrive()  # the tile's last S completed
+        yield from r.wait_groups(w, 0)
+        if n >= 2: r.release("V", g + n - 2)
+        yield from r.full(r.vf, g + n - 1)
+        r.group(w, [("V", g + n - 1)])
+        yield from r.wait_groups(w, 0)
+        r.release("V", g + n - 1)
+        g += n
+    if w == 0 and r.mutation != "no_final_take": yield from r.nsync(0)
 
 
-def run(n, seed):
-    """The ws forward's protocol (S = 3 stages), see KvRing and _fwd_consumer."""
-    return KvRing(n, S).run(_fwd_consumer, seed)
+def run(n, seed, tiles=None, mutation=None):
+    """The ws forward's protocol (S = 3 stages), see KvRing and _fwd_consumer; tiles: the key tile
+    counts of the query tiles one persistent CTA takes in turn (default: one query tile of n)."""
+    assert mutation is None or mutation in FWD_MUTATIONS
+    return KvRing(n, S, tiles, mutation).run(_fwd_consumer, seed)
+
+
+def run_persistent(n, seed, mutation=None):
+    """The persistent forward: a CTA taking four query tiles of n, 1, n + 2 and 2 key tiles, on
+    the 3-stage (128-key) and 2-stage (176-key) rings."""
+    for stages in (3, 2):
+        KvRing(n, stages, [n, 1, n + 2, 2], mutation).run(_fwd_consumer, seed)
 
 
 DQ_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make run_dq fail)
@@ -569,9 +606,11 @@ if __name__ == "__main__":
                     run_bwd(n, seed, d128=True, tma_dq=tma_dq, turns=turns)
                     run_bwd(n, seed, d128=False, tma_dq=tma_dq, turns=turns)
                     if tma_dq: run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
+            run_persistent(n, seed)
             run_dq(n, seed)
             run_det_overlap(n, seed)
     check_bwd_mutations()
+    check_mutations(run_persistent, FWD_MUTATIONS)
     check_mutations(run_dq, DQ_MUTATIONS)
     check_mutations(run_det_overlap, DET_MUTATIONS)
     print("ok")

@@ -1,6 +1,7 @@
 """The warp-specialized kernels' synchronization protocols, replayed on the host under random
-interleavings (csrc/ws_pipeline_model.py): the forward, the backward (both dQ modes, 64- and
-80-row steps), the deterministic dK/dV kernel's overlapped walk and the ws dQ kernel. Each run
+interleavings (csrc/ws_pipeline_model.py): the forward (one query tile per CTA, and persistent
+CTAs taking several), the backward (both dQ modes, 64- and 80-row steps), the deterministic
+dK/dV kernel's overlapped walk and the ws dQ kernel. Each run
 checks that no MMA reads a stage holding another tile, that no TMA lands in a stage still read,
 that the turns balance, and that nothing deadlocks. Each mutation (a protocol bug the kernels
 once had or could have) must fail, so the checks are known to bite."""
@@ -20,6 +21,7 @@ SEEDS = range(40)
 def test_forward_and_backward_protocols(n):
     for seed in SEEDS:
         model.run(n, seed)
+        model.run_persistent(n, seed)  # query tiles one after another on one ring, both ring depths
         for tma_dq in (False, True):
             for d128 in (True, False):
                 model.run_bwd(n, seed, d128=d128, tma_dq=tma_dq)
@@ -41,6 +43,7 @@ def test_deterministic_overlapped_walk_protocol(n):
 
 
 @pytest.mark.parametrize("run_fn, mutations", [
+    (model.run_persistent, model.FWD_MUTATIONS),
     (model.run_dq, model.DQ_MUTATIONS),
     (model.run_det_overlap, model.DET_MUTATIONS),
 ])
