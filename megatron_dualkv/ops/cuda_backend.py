@@ -610,25 +610,26 @@ def ws_fwd_narrow_tail() -> bool:
 
 
 # Mean keys per query tile below which the ws forward runs persistent CTAs (one per SM, taking the
-# query tiles in turn, the next tile's Q and first K/V loaded under the current one's end): short
-# walks, where each CTA's start and end weigh. H100, forward alone, interleaved, persistent / one
-# CTA per query tile, head dim 128: 0.881-0.970 on the six GRPO layouts from 320 to 1,245 keys
-# ((256, 128, 256), (128, 128, 512), 16 x (8, 250, 512), (64, 512, 512), (64, 256, 1024),
-# 8 x (16, 500, 1024)), 0.992 on (16, 512, 1024) (1,065), 1.000 on (32, 1024, 1024) (1,569), and
-# 1.016-1.065 on longer walks, where the persistent loop runs each step a little slower (cause not
-# found; docs/PERF.md, twenty-seventh session). Head dim 64: 0.924 on (64, 256, 1024), 1.025 on
-# (16, 512, 1024).
-PERSISTENT_FWD_KEYS = 1408
+# query tiles in turn, the next tile's Q and first K/V loaded under the current one's end), by head
+# dim: short walks, where each CTA's start and end weigh. H100, forward alone, interleaved,
+# persistent / one CTA per query tile (docs/PERF.md, twenty-seventh session §4, §8):
+# - head dim 128: 0.881-0.970 on the six GRPO layouts from 320 to 1,245 keys ((256, 128, 256),
+#   (128, 128, 512), 16 x (8, 250, 512), (64, 512, 512), (64, 256, 1024), 8 x (16, 500, 1024)),
+#   0.992-1.000 on (16, 512, 1024) (1,065), 1.000 on (32, 1024, 1024) (1,569), 1.016-1.065 on
+#   longer walks, where the persistent loop runs each step a little slower (cause not found); the
+#   same with Hq / Hkv = 32 / 4;
+# - head dim 64: 0.881-0.995 on ten layouts from 447 to 6,053 keys, 1.002-1.012 on four from 8.7k.
+PERSISTENT_FWD_KEYS = {128: 1408, 64: 7680}
 
 
-def ws_fwd_persistent(work: "Work") -> bool:
+def ws_fwd_persistent(work: "Work", head_dim: int) -> bool:
     """Whether the ws forward on this layout runs persistent CTAs: where its query tiles attend
-    fewer than PERSISTENT_FWD_KEYS keys on average. Out and lse are bitwise the same either way.
-    MEGATRON_DUALKV_WS_FWD_PERSISTENT=1 or =0 forces one (an A/B switch)."""
+    fewer than PERSISTENT_FWD_KEYS[head_dim] keys on average. Out and lse are bitwise the same
+    either way. MEGATRON_DUALKV_WS_FWD_PERSISTENT=1 or =0 forces one (an A/B switch)."""
     forced = _env_choice("MEGATRON_DUALKV_WS_FWD_PERSISTENT", ("auto", "0", "1"))
     if forced != "auto":
         return forced == "1"
-    return work.fwd_mean_keys < PERSISTENT_FWD_KEYS
+    return work.fwd_mean_keys < PERSISTENT_FWD_KEYS.get(head_dim, 0)
 
 
 def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:
@@ -832,8 +833,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     split = ws_split(q, k, per_part=bool(deterministic)) if bi == "ws" else None
     work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase(), ws_long_band_by_segment())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
-    fwd_tiling = ((ws_fwd_tile(work, q.shape[-1]), ws_fwd_narrow_tail(), ws_fwd_persistent(work)) if fi == "ws"
-                  else (128, False, False))
+    d = q.shape[-1]
+    fwd_tiling = (ws_fwd_tile(work, d), ws_fwd_narrow_tail(), ws_fwd_persistent(work, d)) if fi == "ws" else (128, False, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
                                  slots, fwd_tiling)
 

@@ -1096,20 +1096,24 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be 'auto', 'narrow' or 'full'"):
         cuda_backend.ws_fwd_narrow_tail()
-    # persistent CTAs below PERSISTENT_FWD_KEYS mean keys, unless forced either way
+    # persistent CTAs below PERSISTENT_FWD_KEYS[head dim] mean keys, unless forced either way
     monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", raising=False)
-    keys = cuda_backend.PERSISTENT_FWD_KEYS
-    at = type("W", (), {"fwd_mean_keys": keys})()
-    under = type("W", (), {"fwd_mean_keys": keys - 1})()
-    assert not cuda_backend.ws_fwd_persistent(at) and cuda_backend.ws_fwd_persistent(under)
-    assert cuda_backend.ws_fwd_persistent(work) == (work.fwd_mean_keys < keys)
+    limits = cuda_backend.PERSISTENT_FWD_KEYS
+    assert limits[64] > limits[128] > 0
+    for d, keys in limits.items():
+        at = type("W", (), {"fwd_mean_keys": keys})()
+        under = type("W", (), {"fwd_mean_keys": keys - 1})()
+        assert not cuda_backend.ws_fwd_persistent(at, d) and cuda_backend.ws_fwd_persistent(under, d)
+        assert cuda_backend.ws_fwd_persistent(work, d) == (work.fwd_mean_keys < keys)
+    between = type("W", (), {"fwd_mean_keys": limits[128]})()  # persistent at head dim 64 only
+    assert cuda_backend.ws_fwd_persistent(between, 64) and not cuda_backend.ws_fwd_persistent(between, 128)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "1")
-    assert cuda_backend.ws_fwd_persistent(at) and cuda_backend.ws_fwd_persistent(long_rows)
+    assert cuda_backend.ws_fwd_persistent(long_rows, 128) and cuda_backend.ws_fwd_persistent(long_rows, 64)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "0")
-    assert not cuda_backend.ws_fwd_persistent(under)
+    assert not cuda_backend.ws_fwd_persistent(below, 64)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "yes")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_PERSISTENT must be 'auto', '0' or '1'"):
-        cuda_backend.ws_fwd_persistent(work)
+        cuda_backend.ws_fwd_persistent(work, 128)
 
 
 @pytest.mark.parametrize("groups, local", [
