@@ -181,7 +181,10 @@ struct FwdTile {
 // docs/PERF.md, thirteenth session), loads its Q once both consumers' last S MMA has read the
 // current Q (q_empty), and its K/V into the ring as stages free up, so the next tile's start hides
 // under the current tile's last P V product and epilogue. The consumers' code per tile is the
-// one-tile-per-CTA code with the ring position offset by the tiles streamed before.
+// one-tile-per-CTA code with the ring position offset by the tiles streamed before; compiled so, it
+// runs each tile 6-11 % slower (the run-time offset 1-5 %, the rest not found), which taking tiles
+// in turn wins back only on short walks: cuda_backend.ws_fwd_persistent picks it there
+// (docs/PERF.md, twenty-seventh session §9).
 template <typename T, int D, bool kPingPong, int kBK, bool kPersistent>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -261,7 +264,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   // end ("consumer 1's last turn passes nothing on") with a computed id was issued 13-20
   // instructions after the MMAs in the persistent kernel (ptxas put the next step's mask setup
   // first), and at 176-key tiles the id was spilled and reloaded; this form made the one-tile-per-CTA
-  // forward 1.3-2.5 % faster (H100, docs/PERF.md, twenty-seventh session).
+  // forward 0.5-7 % faster on 13 long shapes (H100, docs/PERF.md, twenty-seventh session §3).
   auto pass_turn = [&]() {
     if (cw == 0)
       named_arrive_id<kSchedBar + 1>(256);
@@ -291,7 +294,6 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     // t - 2), so that the loop's code does not depend on g
     int st_c = stage(1), st_p = stage(0), st_pp = stage(0);
     uint32_t ph_c = parity(1), ph_p = parity(0);
-
 
     // tile 0: S only
     mbar_wait(ring.k_full(stage(0)), parity(0));
