@@ -17,8 +17,10 @@
 // resident at once share one kv head's query tiles and dQ rows in L2, in two bands: the long key
 // tiles of every kv head first, then the others (the block mapping below).
 // Work items (cuda_backend.ws_kv_work): [k0, k1, rlo, rhi, tiles_per_head, n_long, wide_tiles_per_head,
-// split] (query tiles of 64 and of kWideQT rows per head; split: 0, a part of a key tile split by
-// query rows (> 0), or a phase-aligned walk (< 0), see where it is read); the query
+// split, tail, dest] (query tiles of 64 and of kWideQT rows per head; split: 0, a part of a key
+// tile split by query rows or of a prompt's tail (> 0), or a phase-aligned walk (< 0), see where it
+// is read; tail > 0: the first `tail` key rows are a prompt's partial last key tile, rows dest..,
+// the rest keys k0 + tail..k1 of a response, see where it is read); the query
 // rows that attend keys k0..k1 are the ranges rlo..rhi of a.ranges, 4 int32 each:
 // (a, b, loc, causal): packed rows [a, b), held at rows loc.. of q / dout / lse / delta / dq_acc
 // (loc = a unless a context-parallel rank holds only some queries: "local queries"); causal
@@ -43,7 +45,10 @@
 //     softmax and dQ stores run under the other's MMAs.
 //
 // mbarrier phases (query step i lives in stage i % kStagesB, u = i / kStagesB):
-//   kv_full: 1 arrival + the K/V bytes, parity 0.
+//   kv_full: 1 arrival + the K/V bytes, parity 0. A response tile holding its prompt's tail keys
+//     (item field 8 > 0): the box lands on kv_tma (1 arrival + the bytes), the producer warp waits
+//     for it, writes the tail rows over the box's first rows, fences (fence.proxy.async) and lane 0
+//     arrives on kv_full (1 arrival, no bytes).
 //   q_full[s]: 33 arrivals (lane 0's arrive.expect_tx + the 32 lanes after their lse/delta
 //     stores) + the Q/dO bytes; consumers wait for parity u & 1.
 //   empty[s]: 8 arrivals (lane 0 of each consumer warp) after the step's group B completed (Q, dO,
@@ -131,7 +136,8 @@ struct BwdSmem {
   static constexpr int kDl = kL + kStagesB * QT * (int)sizeof(float);  // [kStagesB][QT] delta
   static constexpr int kTd = kDl + kStagesB * QT * (int)sizeof(float);  // [kTdRing] int4 tile descriptor
   static constexpr int kBar = kTd + kTdRing * 16;
-  static constexpr int kBarCount = 1 + 2 * kStagesB + 8;  // kv_full, q_full[], empty[], ds_full[2][2], ds_empty[2][2]
+  // kv_full, q_full[], empty[], ds_full[2][2], ds_empty[2][2], kv_tma
+  static constexpr int kBarCount = 2 + 2 * kStagesB + 8;
   static constexpr int kBytes = kBar + 8 * kBarCount + 1024;
   static_assert(kStg % 1024 == 0, "the 128-byte swizzle of the dQ staging tile needs a 1024-aligned base");
   static_assert(kBytes <= 227 * 1024, "shared memory of the ws backward exceeds the 227 KB an sm_90 CTA can have");
@@ -207,6 +213,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // every consumer whose dQ MMA reads it (D = 128: both; D = 64: consumer h) completed that MMA
   auto ds_full = [&](int b, int h) { return bar0 + 8u * (1 + 2 * kStagesB + 2 * b + h); };
   auto ds_empty = [&](int b, int h) { return bar0 + 8u * (1 + 2 * kStagesB + 4 + 2 * b + h); };
+  // a prompt tail's response tile: the K/V box landed, before the tail rows are written over it
+  const uint32_t kv_tma = bar0 + 8u * (1 + 2 * kStagesB + 8);
   auto stage = [](int i) { return i % kStagesB; };
   auto parity = [](int i) { return (uint32_t)((i / kStagesB) & 1); };
 
@@ -224,8 +232,16 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const int band_items = in_long ? n_long : a.num_items - n_long;
   const int item = (in_long ? 0 : n_long) + band_block % band_items;
   const int hk = band_block / band_items;
-  const int* w = a.work + item * 8;
+  const int* w = a.work + item * kWsKvItemInts;
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = kWide ? w[6] : w[4];
+  // fields 8, 9: a response's first key tile that holds its prompt's partial last key tile
+  // (cuda_backend.ws_kv_work, merge_tails): key rows k0..k0 + tail - 1 of the tile are the prompt's
+  // keys tail_dest.. (loaded over the box's first rows), rows k0 + tail..k1 the response's keys
+  // k0 + tail..; the tile walks the response's rows only (k0 + tail on), so the causal mask (query
+  // row >= k0 + key index) never masks the tail keys, which every row of the response attends; the tail rows' dK/dV are a part of
+  // the tail's slot (field 7), stored at tail_dest.. by its last part. Else tail <= 0 and
+  // tail_dest = k0 (a split part's rows go to their own rows).
+  const int tail = w[8] > 0 ? w[8] : 0, tail_dest = w[9];
   // field 7: 0, or (slot << 20) | (part << 10) | parts: a key tile split by query rows
   // (cuda_backend.split_by_rows, where one CTA walking all its rows would outlast the rest of the
   // grid) into `parts` items of which this is number `part`; its dK/dV go to the fp32 workspace
@@ -274,6 +290,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
+    mbar_init(kv_tma, 1);
 #pragma unroll
     for (int s = 0; s < kStagesB; ++s) {
       mbar_init(q_full(s), 33);
@@ -299,12 +316,37 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         prefetch_map(&tm_v);
         prefetch_map(&tm_q);
         prefetch_map(&tm_do);
-        mbar_expect_tx(kv_full, 2 * kKVB * D * sizeof(T));
+        const uint32_t kv_bar = tail ? kv_tma : kv_full;
+        mbar_expect_tx(kv_bar, 2 * kKVB * D * sizeof(T));
 #pragma unroll
         for (int p = 0; p < D / 64; ++p) {
-          tma_load(smem_addr(sK + p * kKVB * 64), &tm_k, kv_full, p * 64, hk, k0);
-          tma_load(smem_addr(sV + p * kKVB * 64), &tm_v, kv_full, p * 64, hk, k0);
+          tma_load(smem_addr(sK + p * kKVB * 64), &tm_k, kv_bar, p * 64, hk, k0);
+          tma_load(smem_addr(sV + p * kKVB * 64), &tm_v, kv_bar, p * 64, hk, k0);
         }
+      }
+      if (tail) {
+        // the prompt's tail keys over the box's first rows (they held the rows before the
+        // response), 16-byte chunks in the box's 128-byte swizzle, visible to the wgmmas (async
+        // proxy) before kv_full: the consumers wait for it as for the box alone
+        mbar_wait(kv_tma, 0);
+        // (K chunks in lanes 0..D/8-1, V chunks in the next D/8; D = 64: two rows per pass. Few live
+        // registers: the producer runs under setmaxnreg 24, and a loop over (row, chunk) pairs spilled)
+        constexpr int kChunks = D / 8, kRowsPerPass = 32 / (2 * kChunks);
+        const int c = lane % kChunks, of_v = (lane / kChunks) & 1;
+        const long row_stride = (long)a.hkv * D;
+        const T* g = reinterpret_cast<const T*>(of_v ? a.v : a.k) + (long)(tail_dest + lane / (2 * kChunks)) * row_stride +
+                     hk * D + c * 8;
+        const uint32_t dst = smem_addr(of_v ? sV : sK) + (c >> 3) * kKVB * 128;
+#pragma unroll 1
+        for (int r = lane / (2 * kChunks); r < tail; r += kRowsPerPass, g += kRowsPerPass * row_stride) {
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(g));
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + r * 128 + (((c & 7) ^ (r & 7)) << 4)),
+                       "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+                       : "memory");
+        }
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(kv_full);
       }
       // Phase-aligned walks: the resident CTAs of one kv head all walk the same children (a GRPO
       // group's responses) of the prompt's key tiles. Each head's walk over them starts at the
@@ -750,7 +792,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const long ks = (long)a.hkv * D;
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
   T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
-  float dk_scale = a.scale;
+  // rows k0..slot_end - 1 are the slot's (a split part: all; a prompt tail's response tile: the tail keys)
+  const int slot_end = split ? (tail ? k0 + tail : k1) : k0;
+  bool last = false;
   if (split) {
     // Fast mode: this part's dK (scaled) and dV added into the slot's fp32 sums [2][kKVB][D] of kv
     // head hk (16-byte atomics: half the requests of float2 adds, 3-4 % faster backward on GRPO
@@ -764,9 +808,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     for (int r = 0; r < 2; ++r) {
       const int row = krow_a + r * 8;
       if constexpr (kDQ) {
-        red_frag_row_x4<D>(acc, D, row - k0, lane, dk, r, a.scale, row < k1);
-        red_frag_row_x4<D>(acc + kKVB * D, D, row - k0, lane, dv, r, 1.f, row < k1);
-      } else if (row < k1) {
+        red_frag_row_x4<D>(acc, D, row - k0, lane, dk, r, a.scale, row < slot_end);
+        red_frag_row_x4<D>(acc + kKVB * D, D, row - k0, lane, dv, r, 1.f, row < slot_end);
+      } else if (row < slot_end) {
         float* pk = acc + (long)(row - k0) * D + (lane & 3) * 2;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
@@ -777,38 +821,44 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     }
     __threadfence();
     named_sync(10, 256);  // both consumers' adds are issued and fenced (and their steps done: sTd is free)
-    int* last = reinterpret_cast<int*>(sTd);
-    if (threadIdx.x == 128) *last = atomicAdd(a.split_count + slot * a.hkv + hk, 1) == parts - 1;
+    int* ticket = reinterpret_cast<int*>(sTd);
+    if (threadIdx.x == 128) *ticket = atomicAdd(a.split_count + slot * a.hkv + hk, 1) == parts - 1;
     named_sync(10, 256);
-    if (!*last) return;
-    __threadfence();
-    // the group's sums into this thread's fragment positions, stored below like an unsplit tile's
+    last = *ticket;
+    if (last) {
+      __threadfence();
+      // the group's sums into this thread's fragment positions, stored below like an unsplit tile's
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = krow_a + r * 8;
-      if (row >= k1) continue;
-      for (int p = 0; p < (kDQ ? 1 : parts); ++p) {  // fast mode: the one slot; else in part order
-        const float* pk = slot_acc(kDQ ? slot : slot + p) + (long)(row - k0) * D + (lane & 3) * 2;
+      for (int r = 0; r < 2; ++r) {
+        const int row = krow_a + r * 8;
+        if (row >= slot_end) continue;
+        for (int p = 0; p < (kDQ ? 1 : parts); ++p) {  // fast mode: the one slot; else in part order
+          const float* pk = slot_acc(kDQ ? slot : slot + p) + (long)(row - k0) * D + (lane & 3) * 2;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          const float2 sk = __ldcg(reinterpret_cast<const float2*>(pk + j * 8));
-          const float2 sv = __ldcg(reinterpret_cast<const float2*>(pk + kKVB * D + j * 8));
-          dk[4 * j + 2 * r] = p == 0 ? sk.x : dk[4 * j + 2 * r] + sk.x;
-          dk[4 * j + 2 * r + 1] = p == 0 ? sk.y : dk[4 * j + 2 * r + 1] + sk.y;
-          dv[4 * j + 2 * r] = p == 0 ? sv.x : dv[4 * j + 2 * r] + sv.x;
-          dv[4 * j + 2 * r + 1] = p == 0 ? sv.y : dv[4 * j + 2 * r + 1] + sv.y;
+          for (int j = 0; j < D / 8; ++j) {
+            const float2 sk = __ldcg(reinterpret_cast<const float2*>(pk + j * 8));
+            const float2 sv = __ldcg(reinterpret_cast<const float2*>(pk + kKVB * D + j * 8));
+            dk[4 * j + 2 * r] = p == 0 ? sk.x : dk[4 * j + 2 * r] + sk.x;
+            dk[4 * j + 2 * r + 1] = p == 0 ? sk.y : dk[4 * j + 2 * r + 1] + sk.y;
+            dv[4 * j + 2 * r] = p == 0 ? sv.x : dv[4 * j + 2 * r] + sv.x;
+            dv[4 * j + 2 * r + 1] = p == 0 ? sv.y : dv[4 * j + 2 * r + 1] + sv.y;
+          }
         }
       }
     }
-    dk_scale = 1.f;  // the sums hold dK scaled already
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = krow_a + r * 8;
+    // a slot's rows: stored by its last part only, at tail_dest.., the sums holding dK scaled already
+    const bool slot_row = row < slot_end;
+    const int dest = slot_row ? tail_dest + (row - k0) : row;
+    const float dk_scale = slot_row ? 1.f : a.scale;
+    const bool store = row < k1 && (!slot_row || last);
     // 16-byte stores (a warp's store 8 rows x 64 bytes, not x 16): the short CTAs of GRPO shapes end
     // 1-4 % sooner (docs/PERF.md, twenty-second session)
-    store_frag_row_x4<T, D>(dkg, ks, row, lane, dk, r, dk_scale, row < k1);
-    store_frag_row_x4<T, D>(dvg, ks, row, lane, dv, r, 1.f, row < k1);
+    store_frag_row_x4<T, D>(dkg, ks, dest, lane, dk, r, dk_scale, store);
+    store_frag_row_x4<T, D>(dvg, ks, dest, lane, dv, r, 1.f, store);
   }
 }
 

@@ -52,10 +52,13 @@ struct DqArgs : BwdInputs {
   float scale, scale_log2;
 };
 
+// int32 fields of a ws backward kv item (cuda_backend.ws_kv_work)
+constexpr int kWsKvItemInts = 10;
+
 struct DkvArgs : BwdInputs {
   void* dk;
   void* dv;
-  const int* work;    // kv items, 8 int32 each
+  const int* work;    // kv items, 8 int32 each (ws: kWsKvItemInts)
   const int* ranges;  // 2 int32 per range (ws: 4, see dualkv_bwd_ws_sm90.cu)
   float* dq_acc;      // fast mode (sm90): fp32 [Tq, Hq, D] dQ accumulator (unscaled), atomics; else null
   // ws backward, key tiles split by query rows (kv item field 7 > 0): zeroed fp32 dK/dV sums

@@ -9,7 +9,7 @@
 //     full width; cuda_backend.ws_fwd_narrow_tail chooses); persistent: one CTA per SM takes the
 //     query tiles in turn (bitwise the same out and lse; cuda_backend.ws_fwd_persistent chooses)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
-//                                deterministic, split_slots=0) -> (dq, dk, dv)
+//                                deterministic, split_slots=0, tail_slots=0) -> (dq, dk, dv)
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
 //     dQ over row_work (128-row query tiles, cuda_backend's rows128) by the ws dQ kernel, or the
 //     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same): bitwise reproducible, and
@@ -21,8 +21,9 @@
 // ranges (4 int32: a, b, loc, causal) are those of cuda_backend.ws_kv_work; split_slots is the
 // number of fp32 dK/dV slots the split key tiles' parts name (cuda_backend.split_slots: one per
 // split tile in fast mode, one per part in deterministic mode; the workspace is allocated here).
-// It must be that function's count for this list and mode: the kernel indexes the workspace by
-// the parts' field 7 without a bound check.
+// tail_slots: the slots after those of the prompt tails' parts (cuda_backend.tail_slots; kv item
+// field 8 != 0). Each must be that function's count for this list and mode: the kernel indexes
+// the workspace by the parts' field 7 without a bound check.
 // The work lists come from megatron_dualkv/ops/cuda_backend.py, which also registers the fake
 // implementations.
 
@@ -75,16 +76,20 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   return {c.out, c.lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots,
+                                                                   int64_t tail_slots) {
   check_ws_qkv(q, k, v);
   check_env_choice(mdkv::ws_dq_mode_from_env(), "MEGATRON_DUALKV_WS_DQ", "'atomic' or 'tma'");
   check_env_choice(mdkv::ws_bwd_query_tile_from_env(), "MEGATRON_DUALKV_WS_BWD_QTILE", "'64' or '80'");
   check_env_choice(mdkv::ws_reverse_rows_from_env(), "MEGATRON_DUALKV_WS_REVERSE_ROWS", "'auto' or '0'");
   // kv items and ranges [a, b, loc, causal] of cuda_backend.ws_kv_work
-  check_work(kv_work, q, "kv_work", 8);
+  check_work(kv_work, q, "kv_work", mdkv::kWsKvItemInts);
   check_work(kv_ranges, q, "kv_ranges", 4);
   TORCH_CHECK(split_slots >= 0 && split_slots <= kv_work.size(0), "megatron_dualkv: split_slots = ", split_slots,
               " is not between 0 and the ", kv_work.size(0), " kv items");
+  TORCH_CHECK(tail_slots >= 0 && split_slots + tail_slots <= kv_work.size(0), "megatron_dualkv: tail_slots = ",
+              tail_slots, " is not between 0 and the ", kv_work.size(0) - split_slots, " kv items past the split slots");
+  const int64_t slots = split_slots + tail_slots;
   const BwdInputs in = check_bwd_inputs(dout, q, out, lse, dlse, "Tq");
   if (deterministic) {
     TORCH_CHECK(q.size(0) == k.size(0), "megatron_dualkv: the deterministic ws backward takes all T = ", k.size(0),
@@ -115,15 +120,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   if (acc.defined()) ka.phase = reinterpret_cast<int*>(acc.data_ptr<float>() + q.numel());
   // a split list is grouped by response (cuda_backend.split_by_rows) and has no phase-aligned walk
   ka.reverse_rows = split_slots > 0 && mdkv::ws_reverse_rows_from_env() == 1;
-  // dK/dV of the key tiles split by query rows, and their tickets: fast mode, one slot of sums per
-  // split tile (zeroed: parts add into it); deterministic, one slot per part (each part stores its
-  // whole slot before the last part reads it)
+  // dK/dV of the key tiles split by query rows and of the prompt tails, and their tickets: fast
+  // mode, one slot of sums per split tile or tail (zeroed: parts add into it); deterministic, one
+  // slot per part (each part stores its whole slot before the last part reads it)
   at::Tensor split_acc, split_count;
-  if (split_slots > 0) {
-    const std::vector<int64_t> shape{split_slots, k.size(1), 2, 128, q.size(2)};
+  if (slots > 0) {
+    const std::vector<int64_t> shape{slots, k.size(1), 2, 128, q.size(2)};
     const auto f32 = q.options().dtype(at::kFloat);
     split_acc = deterministic ? at::empty(shape, f32) : at::zeros(shape, f32);
-    split_count = at::zeros({split_slots, k.size(1)}, q.options().dtype(at::kInt));
+    split_count = at::zeros({slots, k.size(1)}, q.options().dtype(at::kInt));
     ka.split_acc = split_acc.data_ptr<float>();
     ka.split_count = split_count.data_ptr<int>();
   }
@@ -183,11 +188,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // The format of the ws work lists and ops this build reads (cuda_backend.WS_LIST_FORMAT; 2: kv item
 // field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile; 4: and narrow_tail; 5: a
 // split part's field 7 is (slot << 20) | (part << 10) | parts, and deterministic lists split; 6:
-// fwd_ws_sm90 takes persistent). The package refuses a build that reads another format: a format-1
+// fwd_ws_sm90 takes persistent; 7: kv items of mdkv::kWsKvItemInts fields, the prompt tails
+// merged into their responses' first key tiles, and bwd_ws_sm90 takes tail_slots). The package refuses a build that reads another format: a format-1
 // build would take a phase walk for a split part and write outside its workspace, a format-2 one
 // has no kv_tile argument, a format-3 one no narrow_tail, a format-4 one would read a part's slot
-// from the wrong bits, a format-5 one has no persistent argument.
-constexpr int64_t kWsListFormat = 6;
+// from the wrong bits, a format-5 one has no persistent argument, a format-6 one reads 8 fields.
+constexpr int64_t kWsListFormat = 7;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
@@ -195,7 +201,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True, bool persistent=False");
   m.def(ws_fwd.c_str());
   std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
-  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0");
+  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0, int tail_slots=0");
   m.def(ws_bwd.c_str());
 }
 

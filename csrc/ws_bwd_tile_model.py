@@ -72,21 +72,28 @@ def query_tiles(item, ranges, qt):
     return [(q0, b, loc + q0 - a, bool(causal)) for a, b, loc, causal in ranges[rlo:rhi] for q0 in range(a, b, qt)]
 
 
-def replay(q, k, v, do, lse, delta, seg, scale, key_mask, chunks=None):
+def replay(q, k, v, do, lse, delta, seg, scale, key_mask, chunks=None, merge_tails=True):
     """dq, dk, dv as dkdv_ws_kernel computes them (key_mask: its P^T mask includes krow >= k1).
-    chunks: q, do, lse, delta hold only these query rows (local queries); dq is returned local."""
+    chunks: q, do, lse, delta hold only these query rows (local queries); dq is returned local.
+    merge_tails: ws_kv_work's (a prompt's partial last key tile in its responses' first key tiles)."""
     tq, hq, d = q.shape
     t, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
     QT = query_tile_rows(d)
-    kv_work, ranges = ws_kv_work(seg, chunks)
+    kv_work, ranges = ws_kv_work(seg, chunks, merge_tails=merge_tails)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for item in kv_work:
         k0, k1 = item[0], item[1]
         tiles = query_tiles(item, ranges, QT)
         assert len(tiles) == item[4 if QT == 64 else 6], "tile count differs from the work list's per_head"
+        tail, dest = max(item[8], 0), item[9]
         kb, vb = box(k, k0, KV), box(v, k0, KV)  # [128, hkv, d]
+        # a prompt tail's response tile: the prompt's tail keys over the box's first rows (rows
+        # k0..k0 + tail - 1 < the response's first row: the causal mask never masks them)
+        kb[:tail], vb[:tail] = k[dest:dest + tail], v[dest:dest + tail]
         krow = k0 + torch.arange(KV)
+        # rows k0..slot_end - 1 go to a slot (a prompt tail's parts, summed), stored at dest..
+        slot_end = k0 + tail if tail else (k1 if item[7] > 0 else k0)
         for hk in range(hkv):
             dk_acc = torch.zeros(KV, d, dtype=q.dtype)
             dv_acc = torch.zeros(KV, d, dtype=q.dtype)
@@ -111,8 +118,11 @@ def replay(q, k, v, do, lse, delta, seg, scale, key_mask, chunks=None):
                     dq_tile = dst.T @ kb[:, hk]  # dQ = dS K (QT 80: dQ^T = K^T dS^T) over all 128 key rows
                     n = int(ok.sum())
                     dq[ql:ql + n, h] += dq_tile[:n]
-            dk[k0:k1, hk] = scale * dk_acc[:k1 - k0]
-            dv[k0:k1, hk] = dv_acc[:k1 - k0]
+            n_slot = slot_end - k0
+            dk[dest:dest + n_slot, hk] += scale * dk_acc[:n_slot]
+            dv[dest:dest + n_slot, hk] += dv_acc[:n_slot]
+            dk[slot_end:k1, hk] = scale * dk_acc[n_slot:k1 - k0]
+            dv[slot_end:k1, hk] = dv_acc[n_slot:k1 - k0]
     return scale * dq, dk, dv
 
 
@@ -137,15 +147,17 @@ def main():
         q, k, v, do = (torch.randn(t, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
         scale = 1 / math.sqrt(d)
         lse, delta, ex_dq, ex_dk, ex_dv = exact(q, k, v, do, seg, scale)
-        for key_mask in (True, False):
-            dq, dk, dv = replay(q, k, v, do, lse, delta, seg, scale, key_mask)
+        # prompt tails merged (the default lists), then kept as tiles of their own, where a short
+        # tile's walk over the children shows what the key-row mask guards against
+        for merge, key_mask in ((True, True), (False, True), (False, False)):
+            dq, dk, dv = replay(q, k, v, do, lse, delta, seg, scale, key_mask, merge_tails=merge)
             e = [rel(dq, ex_dq), rel(dk, ex_dk), rel(dv, ex_dv)]
             good = max(e) < 1e-10
             if key_mask:
                 bad += not good
-            print(f"T={t} hq={hq} hkv={hkv} d={d} key-row mask {'on ' if key_mask else 'off'}: "
-                  f"rel(dq, dk, dv) vs exact {e[0]:.2e} {e[1]:.2e} {e[2]:.2e} {'exact' if good else 'WRONG'}",
-                  flush=True)
+            print(f"T={t} hq={hq} hkv={hkv} d={d} tails {'merged' if merge else 'tiles '}, key-row mask "
+                  f"{'on ' if key_mask else 'off'}: rel(dq, dk, dv) vs exact {e[0]:.2e} {e[1]:.2e} {e[2]:.2e} "
+                  f"{'exact' if good else 'WRONG'}", flush=True)
         # local queries: every third run of 100 rows, as a CP rank might hold them (odd boundaries)
         held = torch.zeros(t, dtype=torch.bool)
         for a in range(7, t, 300):

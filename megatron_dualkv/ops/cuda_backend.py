@@ -98,8 +98,9 @@ def _load() -> tuple[bool, str]:
 # would take such an item for a split part and write outside its workspace); 3: fwd_ws_sm90 takes
 # the key tile width (kv_tile); 4: and narrow_tail; 5: a split part's field 7 is
 # (slot << 20) | (part << 10) | parts (a format-4 build would read its slot from the wrong bits);
-# 6: fwd_ws_sm90 takes persistent.
-WS_LIST_FORMAT = 6
+# 6: fwd_ws_sm90 takes persistent; 7: ws kv items of 10 fields (8: a prompt's tail keys at the
+# head of a response's first key tile, 9: where a split row's dK/dV go) and bwd_ws_sm90 takes tail_slots.
+WS_LIST_FORMAT = 7
 
 
 def _list_format_problem() -> str:
@@ -315,7 +316,7 @@ _MAX_PARTS, _MAX_SLOTS = 1023, 2047
 
 
 def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: int, sms: int,
-                  per_part: bool = False) -> tuple[list, list]:
+                  per_part: bool = False, max_slots: int = _MAX_SLOTS) -> tuple[list, list]:
     """`ws_kv_work`'s (items, ranges) with the key tiles that would outlast the grid split by query
     rows: each becomes parts (items with the same k0) whose ranges, appended to `ranges`, are the
     tile's cut at segment starts, so a part walks whole responses. Field 7 of part i of `parts` =
@@ -344,15 +345,18 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     ranges = list(ranges)  # the parts' ranges are appended to a copy
     out, slots = [], 0
     for it in items:
-        parts = _row_parts([ranges[r] for r in range(it[2], it[3])], starts, cap) if cta(it) > WS_SPLIT_AT * ideal else []
-        if len(parts) < 2 or slots + (len(parts) if per_part else 1) > _MAX_SLOTS:
+        # a prompt tail's items (field 8) are parts of their own already (`_merge_tails`)
+        long_walk = cta(it) > WS_SPLIT_AT * ideal and not it[8]
+        parts = _row_parts([ranges[r] for r in range(it[2], it[3])], starts, cap) if long_walk else []
+        if len(parts) < 2 or slots + (len(parts) if per_part else 1) > max_slots:
             out.append(it)
             continue
         for i, part in enumerate(parts):
             rlo = len(ranges)
             ranges += part
             out.append([it[0], it[1], rlo, len(ranges), sum(_ceil(b - a, TILE) for a, b, _, _ in part), 0,
-                        sum(_ceil(b - a, WS_BWD_WIDE_TILE) for a, b, _, _ in part), (slots << 20) | (i << 10) | len(parts)])
+                        sum(_ceil(b - a, WS_BWD_WIDE_TILE) for a, b, _, _ in part), (slots << 20) | (i << 10) | len(parts),
+                        0, it[0]])
         slots += len(parts) if per_part else 1
     out = _group_by_segment(out, lambda it: _walked_segment(it, ranges, starts), cta)
     for it in out:
@@ -363,7 +367,7 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
 def _walked_segment(item: list, ranges: list, starts: list) -> int:
     """The segment whose rows a kv item walks first among its children's (a root's key tile, a
     part), else its own (a response's key tile): its index in the sorted segment starts."""
-    row = next((r[0] for r in ranges[item[2]:item[3]] if not r[3]), item[0])
+    row = next((r[0] for r in ranges[item[2]:item[3]] if not r[3]), item[0] + max(item[8], 0))
     return bisect.bisect_right(starts, row) - 1
 
 
@@ -402,9 +406,16 @@ def _mark_long_band(items: list, work) -> None:
 def split_slots(items: list, per_part: bool = False) -> int:
     """How many fp32 dK/dV slots the parts of `split_by_rows` name: one per split key tile, or with
     per_part one per part; 0 where nothing is split. Field 7 < 0 is a phase-aligned walk, not a
-    part."""
-    return max(((it[7] >> 20) + (((it[7] >> 10) & 1023) if per_part else 0) + 1 for it in items if it[7] > 0),
-               default=0)
+    part; the prompt tails' parts (field 8 != 0, `_merge_tails`) come after these slots."""
+    return max(((it[7] >> 20) + (((it[7] >> 10) & 1023) if per_part else 0) + 1
+                for it in items if it[7] > 0 and not it[8]), default=0)
+
+
+def tail_slots(items: list, per_part: bool = False) -> int:
+    """How many fp32 dK/dV slots the prompt tails' parts (`_merge_tails`) take after the split
+    slots: one per tail, or with per_part one per part."""
+    parts = [it for it in items if it[8] and it[7] > 0]
+    return len({it[7] >> 20 for it in parts}) if not per_part else len(parts)
 
 
 def _phase_walks(items: list, ranges: list) -> None:
@@ -444,13 +455,60 @@ def ws_long_band_by_segment() -> bool:
     return _env_choice("MEGATRON_DUALKV_WS_LONG_BAND", ("segment", "work")) == "segment"
 
 
+def ws_tail_merge() -> bool:
+    """Whether the ws backward takes a prompt's partial last key tile into its responses' first key
+    tiles (`_merge_tails`); MEGATRON_DUALKV_WS_TAIL=tile keeps the tile (an A/B switch)."""
+    return _env_choice("MEGATRON_DUALKV_WS_TAIL", ("merge", "tile")) == "merge"
+
+
+# Slots the prompt tails may take (the split parts take the rest of _MAX_SLOTS)
+_MAX_TAIL_SLOTS = 1024
+
+
+def _prompt_tails(segments: SegmentTable, kv_tile: int, per_part: bool) -> tuple[dict, int]:
+    """({root segment -> t}, slots taken): t, the keys of its partial last key tile (length % kv_tile), for the roots
+    with children whose tails `ws_kv_work` merges: while the slots they take (one per tail, or one
+    per part with per_part) stay within _MAX_TAIL_SLOTS and a tail's parts (its own rows + one per
+    child) within _MAX_PARTS."""
+    kids: dict[int, int] = {}
+    for p in segments.host_parent:
+        if p >= 0:
+            kids[p] = kids.get(p, 0) + 1
+    tails, used = {}, 0
+    for s, n in sorted(kids.items()):
+        t = segments.host_length[s] % kv_tile
+        cost = n + 1 if per_part else 1
+        if t and n + 1 <= _MAX_PARTS and used + cost <= _MAX_TAIL_SLOTS:
+            tails[s] = t
+            used += cost
+    return tails, used
+
+
+def _assign_tail_slots(items: list, base: int, per_part: bool) -> None:
+    """In place: field 7 of a prompt tail's parts (its tile over its own rows, field 8 < 0, part 0;
+    its responses' first key tiles, field 8 > 0, parts 1.. in list order) = (slot << 20) | (part <<
+    10) | parts, slots numbered from `base` (after the split parts'), like `split_by_rows`'s."""
+    parts: dict[int, list] = {}
+    for it in items:
+        if it[8] < 0:
+            parts.setdefault(it[0], []).insert(0, it)
+        elif it[8] > 0:
+            parts.setdefault(it[9], []).append(it)
+    slot = base
+    for tail in sorted(parts):
+        group = parts[tail]
+        for i, it in enumerate(group):
+            it[7] = (slot << 20) | (i << 10) | len(group)
+        slot += len(group) if per_part else 1
+
+
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
                split: Optional[tuple] = None, phase: bool = False,
-               long_band_by_segment: bool = True) -> tuple[list, list]:
+               long_band_by_segment: bool = True, merge_tails: bool = True) -> tuple[list, list]:
     """Work of the ws backward (csrc/dualkv_bwd_ws_sm90.cu): kv items [k0, k1, rlo, rhi,
-    tiles_per_head, n_long, wide_tiles_per_head, split] (query tiles of 64 and of WS_BWD_WIDE_TILE rows;
-    split: 0, a part of a key tile split by query rows (> 0, `split_by_rows`) or a phase-aligned
-    walk (< 0, `_phase_walks`);
+    tiles_per_head, n_long, wide_tiles_per_head, split, tail, dest] (query tiles of 64 and of
+    WS_BWD_WIDE_TILE rows; split: 0, a part of a key tile split by query rows (> 0, `split_by_rows`;
+    or a prompt tail's part, below) or a phase-aligned walk (< 0, `_phase_walks`);
     one item per key tile, also when no held query attends it: its dK, dV
     are then written as zero) and query ranges [a, b, loc, causal]: items rlo..rhi list the packed
     rows [a, b) that attend the key tile and that q holds (from local row loc): the tile's own
@@ -464,20 +522,43 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     deterministic mode).
     phase: where nothing is split, a root's key tiles walk their children first, phase-aligned
     (`_phase_walks`; the H100 backward's DRAM traffic about halved on the published shapes,
-    docs/PERF.md, fourteenth session)."""
+    docs/PERF.md, fourteenth session).
+    merge_tails: a prompt of P % kv_tile = t > 0 keys past its last whole key tile (`_prompt_tails`)
+    does not walk its responses with a tile of t keys (a walk as long as a whole tile's: every step
+    loads its Q, dO and adds its dQ rows whatever the keys). Its tile [P - t, P) walks its own rows
+    only (tail = -t); each response's first key tile holds the t tail keys, then the response's
+    first kv_tile - t keys (k0 = response start - t, tail = t, dest = P - t: the kernel loads the
+    tail keys into its first t rows, never masks them, and adds their dK/dV into the tail's slot,
+    whose last part stores them at dest..). The tail's own tile and the responses' tiles are the
+    tail's parts (field 7, `_assign_tail_slots`); its responses' later key tiles start kv_tile - t
+    keys in. dest: where the rows of a slot go (k0, but for a tail's response tiles)."""
     _check_depth(segments)
     children = _child_ranges(segments)
+    per_part = split is not None and len(split) > 3 and bool(split[3])
+    tails, tail_slots_used = _prompt_tails(segments, kv_tile, per_part) if merge_tails else ({}, 0)
+    starts_, lengths, parents = segments.host_start, segments.host_length, segments.host_parent
     items, ranges = [], []
-    for s, (a, n) in enumerate(zip(segments.host_start, segments.host_length)):
+
+    def add(k0, k1, walk, tail, dest):
+        rlo = len(ranges)
+        ranges.extend(walk)
+        tiles = sum(_ceil(hi - lo, TILE) for lo, hi, _, _ in walk)
+        wide = sum(_ceil(hi - lo, WS_BWD_WIDE_TILE) for lo, hi, _, _ in walk)
+        items.append([k0, k1, rlo, len(ranges), tiles, 0, wide, 0, tail, dest])
+
+    for s, (a, n) in enumerate(zip(starts_, lengths)):
         end = a + n
         kids = [(lo, hi, loc, 0) for ca, cb in children.get(s, []) for lo, hi, loc in _held(ca, cb, chunks)]
-        for k0 in range(a, end, kv_tile):
+        first = a
+        t = tails.get(parents[s], 0) if parents[s] >= 0 else 0
+        if t:  # the prompt's tail keys, then this response's first keys: the response's own rows, all of them
+            first = min(a + kv_tile - t, end)
+            own = [(lo, hi, loc, 1) for lo, hi, loc in _held(a, end, chunks)]
+            add(a - t, first, own, t, starts_[parents[s]] + lengths[parents[s]] - t)
+        for k0 in range(first, end, kv_tile):
             own = [(lo, hi, loc, 1) for lo, hi, loc in _held(k0, end, chunks)]
-            rlo = len(ranges)
-            ranges += own + kids
-            tiles = sum(_ceil(hi - lo, TILE) for lo, hi, _, _ in own + kids)
-            wide = sum(_ceil(hi - lo, WS_BWD_WIDE_TILE) for lo, hi, _, _ in own + kids)
-            items.append([k0, min(k0 + kv_tile, end), rlo, len(ranges), tiles, 0, wide, 0])
+            tail_tile = s in tails and k0 + kv_tile > end  # its children's rows are walked by their first tiles
+            add(k0, min(k0 + kv_tile, end), own if tail_tile else own + kids, -tails[s] if tail_tile else 0, k0)
     items.sort(key=lambda r: -r[4])
     _mark_long_band(items, lambda it: it[4])
     # each band grouped by segment: each response's key tiles together (heaviest first inside one)
@@ -490,16 +571,19 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     # (8, 1024, 16384) with unequal responses and 0.90-0.98 on micro-batches of 2-16 groups
     # (docs/PERF.md, twenty-sixth session). On the published shapes it holds one prompt's tiles.
     n_long = items[0][5] if items else 0
-    starts = sorted(segments.host_start)
+    starts = sorted(starts_)
     walked = lambda it: _walked_segment(it, ranges, starts)  # noqa: E731
     if long_band_by_segment:
         items[:n_long] = _group_by_segment(items[:n_long], walked, lambda it: it[4])
     items[n_long:] = _group_by_segment(items[n_long:], walked, lambda it: it[4])
     ranges = [list(r) for r in ranges]
     if split is not None:
-        items, ranges = split_by_rows(items, ranges, segments.host_start, *split)
+        items, ranges = split_by_rows(items, ranges, starts_, *split[:3], per_part=per_part,
+                                      max_slots=_MAX_SLOTS - tail_slots_used)
     if phase and not split_slots(items):
         _phase_walks(items, ranges)
+    if tails:
+        _assign_tail_slots(items, split_slots(items, per_part), per_part)
     return items, ranges or [[0, 0, 0, 0]]
 
 
@@ -510,7 +594,8 @@ class Work:
     With query chunks (local queries) only the ws lists are built. split: `ws_kv_work`'s."""
 
     def __init__(self, segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple] = None, phase: bool = False, long_band_by_segment: bool = True):
+                 split: Optional[tuple] = None, phase: bool = False, long_band_by_segment: bool = True,
+                 merge_tails: bool = True):
         mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, len(x[0]))  # noqa: E731
         self.local = chunks is not None
         rows = whole_query_tiles(segments) if chunks is None else row_items(segments, 128, chunks)
@@ -519,9 +604,11 @@ class Work:
         # forward takes the tile width the whole micro-batch takes and gives its rows bitwise
         self.fwd_mean_keys = mean_keys_per_query_tile(segments)
         ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase,
-                                         long_band_by_segment=long_band_by_segment)
+                                         long_band_by_segment=long_band_by_segment, merge_tails=merge_tails)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
-        self.ws_split_slots = split_slots(ws_items, per_part=split is not None and len(split) > 3 and split[3])
+        per_part = split is not None and len(split) > 3 and bool(split[3])
+        # the op's workspace slots: (split parts', prompt tails')
+        self.ws_slots = (split_slots(ws_items, per_part), tail_slots(ws_items, per_part))
         if not self.local:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
@@ -543,10 +630,11 @@ def mean_keys_per_query_tile(segments: SegmentTable) -> float:
 
 
 def work_tensors(segments: SegmentTable, device: torch.device, chunks: Optional[QueryChunks] = None,
-                 split: Optional[tuple] = None, phase: bool = False, long_band_by_segment: bool = True) -> Work:
+                 split: Optional[tuple] = None, phase: bool = False, long_band_by_segment: bool = True,
+                 merge_tails: bool = True) -> Work:
     """The `Work` of a layout on a device (cached on the SegmentTable)."""
-    return segments.cached(("cuda_backend_work", str(device), chunks, split, phase, long_band_by_segment),
-                           lambda: Work(segments, device, chunks, split, phase, long_band_by_segment))
+    return segments.cached(("cuda_backend_work", str(device), chunks, split, phase, long_band_by_segment, merge_tails),
+                           lambda: Work(segments, device, chunks, split, phase, long_band_by_segment, merge_tails))
 
 
 # Mean keys per query tile from which the ws forward takes 176-key tiles (head dim 128): a wider
@@ -634,7 +722,8 @@ def ws_fwd_persistent(work: "Work", head_dim: int) -> bool:
 
 def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:
     """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs, per_part), or
-    None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA; for A/B timings). per_part: the
+    None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA, prompt tails not merged either;
+    for A/B timings and bitwise checks). per_part: the
     deterministic mode's lists (a workspace slot per part, summed in part order)."""
     if os.environ.get("MEGATRON_DUALKV_WS_SPLIT", "1") == "0":
         return None
@@ -702,7 +791,8 @@ def _register_python_side() -> None:
     if _has_op("fwd_ws_sm90"):  # absent from extensions built before it existed
         torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_ws_fake)
 
-    def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, split_slots=0):
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, split_slots=0,
+                  tail_slots=0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     torch.library.register_fake("megatron_dualkv::bwd")(_bwd_fake)
@@ -713,21 +803,21 @@ def _register_python_side() -> None:
 
 class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
-    bwd_kind, split_slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
-    (`_lists` picks the work lists that match both kinds); split_slots: the ws backward's key tiles
-    split by query rows; fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
+    bwd_kind, slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
+    (`_lists` picks the work lists that match both kinds); slots: the ws backward's workspace slots
+    (key tiles split by query rows, prompt tails: `Work.ws_slots`); fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
     persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`, `ws_fwd_persistent`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
-                split_slots, fwd_tiling):
+                slots, fwd_tiling):
         ops = torch.ops.megatron_dualkv
         if fwd_kind == "ws":
             out, lse = ops.fwd_ws_sm90(q, k, v, fwd_rows, scale, *fwd_tiling)
         else:
             out, lse = {"sm90": ops.fwd_sm90, "mma": ops.fwd}[fwd_kind](q, k, v, fwd_rows, scale)
         ctx.save_for_backward(q, k, v, out, lse, bwd_rows, bwd_kv, bwd_ranges)
-        ctx.scale, ctx.deterministic, ctx.bwd_kind, ctx.split_slots = scale, deterministic, bwd_kind, split_slots
+        ctx.scale, ctx.deterministic, ctx.bwd_kind, ctx.slots = scale, deterministic, bwd_kind, slots
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -739,7 +829,7 @@ class _DualKVFunction(torch.autograd.Function):
         ops = torch.ops.megatron_dualkv
         args = (dout.contiguous(), q, k, v, out, lse, None, rows, kv, ranges, ctx.scale, ctx.deterministic)
         if ctx.bwd_kind == "ws":
-            dq, dk, dv = ops.bwd_ws_sm90(*args, ctx.split_slots)
+            dq, dk, dv = ops.bwd_ws_sm90(*args, *ctx.slots)
         else:
             dq, dk, dv = {"sm90": ops.bwd_sm90, "mma": ops.bwd}[ctx.bwd_kind](*args)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
@@ -752,10 +842,10 @@ def _lists(work: Work, fwd_kind: str, bwd_kind: str) -> tuple:
     tiles for its dQ kernel."""
     fwd_rows = work.rows64 if fwd_kind == "mma" else work.rows128
     if bwd_kind == "ws":
-        return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws", work.ws_split_slots
+        return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws", work.ws_slots
     if bwd_kind == "mma":
-        return fwd_rows, work.rows64, work.kv64, work.ranges, "mma", 0
-    return fwd_rows, work.rows128, work.kv128, work.ranges, "sm90", 0
+        return fwd_rows, work.rows64, work.kv64, work.ranges, "mma", (0, 0)
+    return fwd_rows, work.rows128, work.kv128, work.ranges, "sm90", (0, 0)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, local: bool) -> None:
@@ -831,7 +921,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     # each part's dK/dV in a slot of its own and sums them in part order
     fast_ws_bwd = bi == "ws" and not deterministic
     split = ws_split(q, k, per_part=bool(deterministic)) if bi == "ws" else None
-    work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase(), ws_long_band_by_segment())
+    # prompt tails merged into their responses' key tiles: parts summed like a split's (so not with
+    # MEGATRON_DUALKV_WS_SPLIT=0, every key tile one CTA that stores its dK/dV alone)
+    work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase(), ws_long_band_by_segment(),
+                        split is not None and ws_tail_merge())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
     d = q.shape[-1]
     fwd_tiling = (ws_fwd_tile(work, d), ws_fwd_narrow_tail(), ws_fwd_persistent(work, d)) if fi == "ws" else (128, False, False)

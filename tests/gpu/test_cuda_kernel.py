@@ -400,7 +400,7 @@ def test_wsbwd_deterministic_split(case, monkeypatch):
     q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=2024 + case + random.randrange(1 << 20))
     scale = 1.0 / math.sqrt(d)
     work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=True))
-    assert work.ws_split_slots > 0, "the layout splits no key tile"
+    assert work.ws_slots[0] > 0, "the layout splits no key tile"
     asked = []  # the split arguments forward() builds its lists with
     real_ws_split = cuda_backend.ws_split
     monkeypatch.setattr(cuda_backend, "ws_split", lambda *a_, **kw: asked.append(kw) or real_ws_split(*a_, **kw))
@@ -438,7 +438,7 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
     seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [200] * 6)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
-    slots = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k)).ws_split_slots if split else 0
+    slots = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k)).ws_slots[0] if split else 0
     assert (slots > 0) == split, f"{slots} key tiles split"
     ref = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="sm90")
     ws = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="ws")
@@ -538,6 +538,39 @@ def test_wsbwd_long_band_order(deterministic, monkeypatch):
         assert rel(grouped[2], ex[2]) <= rel(work[2], ex[2]) * SLACK + 1e-7, "dq error vs float64"
 
 
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [128, 64])
+def test_wsbwd_prompt_tails_merged(d, deterministic, monkeypatch):
+    """Prompts of P % 128 = 6, 5, 104 and 2 tail keys: each response's first key tile holds its
+    prompt's tail keys (loaded over the TMA box's first rows, which held the previous segment's) and
+    adds their dK/dV into the tail's slot, whose last part stores them (deterministic: a slot per
+    part, summed in part order). Against the tails kept as tiles of their own
+    (MEGATRON_DUALKV_WS_TAIL=tile): dq, dk, dv within bf16 rounding and no worse against float64,
+    every element written (poisoned buffers); deterministic mode bitwise reproducible, its dq (the
+    dQ kernel's) bitwise unchanged."""
+    seg = make_segments([(262, [300] * 12), (5, [3, 9]), (1000, [1, 129, 64]), (130, [17] * 40)], pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, 8, 2, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    # fast mode takes the deterministic kernels (a slot per part) on short layouts and at head dim 64
+    per_part = deterministic or cuda_backend.fast_bwd_separate_dq(seg, d)
+    work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=per_part))
+    assert work.ws_slots[1] == (1 + 12 + 1 + 2 + 1 + 3 + 1 + 40 if per_part else 4), work.ws_slots
+    merged = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    if deterministic:
+        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
+        for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+            assert torch.equal(merged[i], again[i]), f"{name} differs between two deterministic runs"
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_TAIL", "tile")
+    tiles = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    ex = exact(q, k, v, dout, seg, 0.1)
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.isfinite(merged[i]).all(), f"{name}: non-finite elements (unwritten?)"
+        assert rel(merged[i], tiles[i]) < 1e-2, f"{name}: rel {rel(merged[i], tiles[i]):.3e} vs the tail tiles"
+        assert rel(merged[i], ex[i]) <= rel(tiles[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+    if per_part:
+        assert torch.equal(merged[2], tiles[2]), "dq (the dQ kernel's) changed with the merged tails"
+
 @gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
@@ -549,7 +582,7 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
     seg = make_segments([(1999, [1, 700, 64, 2048]), (130, [17] * 16)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
     work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=deterministic))
-    assert work.ws_split_slots > 0, "the layout splits no key tile"
+    assert work.ws_slots[0] > 0, "the layout splits no key tile"
     rev = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
     if deterministic:
         again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
@@ -915,21 +948,42 @@ def test_ws_work_lists_cover_the_held_queries_once(seed, local):
     assert all([it[5] for it in run] == sorted((it[5] for it in run), reverse=True) for run in runs)
     items, ranges = cuda_backend.ws_kv_work(seg, chunks)
     kcovered = [0] * t
-    for k0, k1, rlo, rhi, per_head, _, wide_per_head, _ in items:
-        s_ = seg_of[k0]
+    tail_walks = {}  # (prompt tail key, query row) -> times walked, over the tail's parts
+    for k0, k1, rlo, rhi, per_head, _, wide_per_head, _, tail, dest in items:
+        # a response's first key tile may hold its prompt's tail keys dest.. in its first rows
+        head = max(tail, 0)
+        s_ = seg_of[k0 + head]
         assert seg_of[k1 - 1] == s_ and k1 - k0 <= 128
+        assert not head or (parents[s_] >= 0 and k0 + head == seg.host_start[s_]
+                            and dest + head == seg.host_start[parents[s_]] + seg.host_length[parents[s_]])
         visited = {}
         for a, b, loc, causal in ranges[rlo:rhi]:
-            assert causal == (seg_of[a] == s_) and (not causal or a >= k0)  # no rows wholly masked
+            assert causal == (seg_of[a] == s_) and (not causal or a >= k0 + head)  # no rows wholly masked
             for i in range(a, b):
                 assert i not in visited and local_of[i] == loc + i - a
                 visited[i] = causal
         assert per_head == sum(-(-(b - a) // 64) for a, b, _, _ in ranges[rlo:rhi])
         assert wide_per_head == sum(-(-(b - a) // 80) for a, b, _, _ in ranges[rlo:rhi])
-        for j in range(k0, k1):
+        for j in range(dest, dest + head):  # never masked: every row the tile walks attends them
+            for i in visited:
+                tail_walks[j, i] = tail_walks.get((j, i), 0) + 1
+        for j in range(k0 + head, k1):
             kcovered[j] += 1
+            walked = {i for i, c in visited.items() if not (c and i < j)}
+            if tail < 0:  # a prompt's tail tile: its own rows here, its children's in their first tiles
+                for i in walked:
+                    tail_walks[j, i] = tail_walks.get((j, i), 0) + 1
+                continue
             allowed = {i for i in local_of if (seg_of[i] == s_ and i >= j) or parents[seg_of[i]] == s_}
-            assert {i for i, c in visited.items() if not (c and i < j)} == allowed
+            assert walked == allowed
+    for it in items:
+        if it[8] < 0:
+            s_ = seg_of[it[0]]
+            assert it[1] == seg.host_start[s_] + seg.host_length[s_] and it[1] - it[0] == -it[8]
+            for j in range(it[0], it[1]):
+                allowed = {i for i in local_of if (seg_of[i] == s_ and i >= j) or parents[seg_of[i]] == s_}
+                walked = {i: n for (jj, i), n in tail_walks.items() if jj == j}
+                assert walked == {i: 1 for i in allowed}, f"tail key {j}: its queries not walked once each"
     assert kcovered == [1] * t
 
 
@@ -1011,9 +1065,10 @@ def test_ws_split_by_rows(groups, hkv, group, slots, local, per_part):
     prompt's parts over its rows are neighbours in the list."""
     seg = make_segments(groups, device="cpu")
     chunks = random_chunks(seg.num_tokens, random.Random(5))[1] if local else None
-    plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks)
-    items, ranges = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132, per_part))
-    fast = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132))
+    # (prompt tails kept as tiles: test_ws_prompt_tails_merged takes them)
+    plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks, merge_tails=False)
+    items, ranges = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132, per_part), merge_tails=False)
+    fast = cuda_backend.ws_kv_work(seg, chunks, split=(hkv, group, 132), merge_tails=False)
     assert [it[:7] for it in items] == [it[:7] for it in fast[0]] and ranges == fast[1]
     tiles = len({it[7] >> 20 for it in fast[0] if it[7] > 0})
     assert tiles == slots and cuda_backend.split_slots(fast[0]) == slots
@@ -1053,6 +1108,61 @@ def test_ws_split_by_rows(groups, hkv, group, slots, local, per_part):
              for it in items]
     runs = [g for i, g in enumerate(first) if i == 0 or first[i - 1] != g]
     assert len(runs) == len(set(runs)), "the items of one segment are not neighbours"
+
+
+@pytest.mark.parametrize("groups", [
+    [(300, [5, 200]), (1000, [1, 129, 64])],
+    [(262, [1024] * 64)],                            # (64, 262, 1024): a 6-key tail, the prompt tiles split
+    [(130, [200] * 48), (5, [3]), (256, [9, 9])],   # a prompt of 5 keys: its only tile is the tail
+])
+@pytest.mark.parametrize("per_part", [False, True])
+def test_ws_prompt_tails_merged(groups, per_part, monkeypatch):
+    """A prompt whose length is not a multiple of 128 keeps a tile of its t tail keys that walks
+    its own rows only (field 8 = -t); each of its responses' first key tiles holds the t keys (k0 =
+    response start - t, field 8 = t, field 9 = the first tail key). Those are the tail's parts:
+    field 7 = (slot << 20) | (part << 10) | parts, the tail's own tile part 0, slots after the split
+    parts' (per_part: one per part, consecutive). split_by_rows leaves them whole; the switch
+    MEGATRON_DUALKV_WS_TAIL=tile keeps the old tiles; a prompt of whole tiles has nothing to merge."""
+    seg = make_segments(groups, device="cpu")
+    split = (8, 4, 132, per_part)
+    items, ranges = cuda_backend.ws_kv_work(seg, split=split)
+    tails = {s: seg.host_length[s] % 128 for s in range(len(seg.host_start))
+             if seg.host_parent[s] < 0 and seg.host_length[s] % 128 and s in seg.host_parent}
+    owners = [it for it in items if it[8] < 0]
+    assert sorted(it[0] for it in owners) == sorted(seg.host_start[s] + seg.host_length[s] - t for s, t in tails.items())
+    row_slots = cuda_backend.split_slots(items, per_part)
+    slot = row_slots
+    for owner in sorted(owners, key=lambda it: it[0]):
+        s_ = max(s for s in range(len(seg.host_start)) if seg.host_start[s] <= owner[0])
+        t = -owner[8]
+        assert owner[1] - owner[0] == t and owner[9] == owner[0]
+        assert all(r[3] for r in ranges[owner[2]:owner[3]]), "a tail tile walks its children"
+        kids = [c for c in range(len(seg.host_start)) if seg.host_parent[c] == s_]
+        merged = [it for it in items if it[8] > 0 and it[9] == owner[0]]
+        assert sorted(it[0] + t for it in merged) == sorted(seg.host_start[c] for c in kids)
+        parts = [owner] + merged
+        assert (owner[7] >> 10) & 1023 == 0 and all(it[7] & 1023 == len(parts) for it in parts)
+        assert sorted((it[7] >> 10) & 1023 for it in parts) == list(range(len(parts)))
+        assert {it[7] >> 20 for it in parts} == {slot}
+        for it in merged:
+            c = next(c for c in kids if seg.host_start[c] == it[0] + t)
+            end = seg.host_start[c] + seg.host_length[c]
+            assert it[1] == min(it[0] + 128, end) and ranges[it[2]:it[3]] == [[it[0] + t, end, it[0] + t, 1]]
+        slot += len(parts) if per_part else 1
+    assert cuda_backend.tail_slots(items, per_part) == slot - row_slots
+    # the split leaves the tails' items whole: the same as in the list without a split
+    plain, plain_ranges = cuda_backend.ws_kv_work(seg)
+    tail_items = lambda its, rs: sorted((it[0], it[1], it[8], it[9], tuple(map(tuple, rs[it[2]:it[3]])))  # noqa: E731
+                                        for it in its if it[8])
+    assert tail_items(items, ranges) == tail_items(plain, plain_ranges)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_TAIL", "tile")
+    work = cuda_backend.Work(seg, torch.device("cpu"), split=split, merge_tails=cuda_backend.ws_tail_merge())
+    assert not any(it[8] for it in work.ws_kv.tolist()) and work.ws_slots[1] == 0
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_TAIL", "keep")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_TAIL must be 'merge' or 'tile'"):
+        cuda_backend.ws_tail_merge()
+    whole = make_segments([(4096, [2048] * 4)], device="cpu")
+    assert cuda_backend.ws_kv_work(whole) == cuda_backend.ws_kv_work(whole, merge_tails=False)
 
 
 @pytest.mark.parametrize("groups, local", [
@@ -1128,8 +1238,8 @@ def test_ws_phase_walks(groups, local):
     split (phase needs every CTA of a prompt to walk the same child steps)."""
     seg = make_segments(groups, device="cpu")
     chunks = random_chunks(seg.num_tokens, random.Random(3))[1] if local else None
-    plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks)
-    items, ranges = cuda_backend.ws_kv_work(seg, chunks, phase=True)
+    plain, plain_ranges = cuda_backend.ws_kv_work(seg, chunks, merge_tails=False)
+    items, ranges = cuda_backend.ws_kv_work(seg, chunks, phase=True, merge_tails=False)
     assert [it[:7] for it in items] == [it[:7] for it in plain]
     assert cuda_backend.split_slots(items) == 0, "a phase-aligned walk counted as a split part"
     slot_of = {}
@@ -1147,9 +1257,9 @@ def test_ws_phase_walks(groups, local):
     assert sorted(slot_of.values()) == list(range(len(slot_of))) and len(slot_of) == len(set(slot_of.values()))
     assert set(slot_of) == {max(s for s in seg.host_start if s <= it[0]) for it in plain
                             if any(not r[3] for r in plain_ranges[it[2]:it[3]])}
-    split = cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132))
+    split = cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132), merge_tails=False)
     if cuda_backend.split_slots(split[0]):
-        assert cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132), phase=True) == split
+        assert cuda_backend.ws_kv_work(seg, chunks, split=(8, 4, 132), phase=True, merge_tails=False) == split
 
 
 @pytest.mark.parametrize("reads", [cuda_backend.WS_LIST_FORMAT, 1, None])
