@@ -803,7 +803,15 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // that finishes last (a ticket after __threadfence) converts the sums to T.
     const int slot = split >> 20, part = (split >> 10) & 1023, parts = split & 1023;
     auto slot_acc = [&](int s) { return a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D; };
-    float* acc = slot_acc(kDQ ? slot : slot + part);
+    // deterministic: part p's own sums; a prompt tail's parts (t rows each) packed kKVB / t to a slot
+    const int tail_rows = w[8] < 0 ? -w[8] : w[8];
+    auto part_acc = [&](int p) {
+      if (kDQ) return slot_acc(slot);
+      if (!tail_rows) return slot_acc(slot + p);
+      const int per_slot = kKVB / tail_rows;
+      return slot_acc(slot + p / per_slot) + (long)(p % per_slot) * tail_rows * D;
+    };
+    float* acc = part_acc(part);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = krow_a + r * 8;
@@ -833,7 +841,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int row = krow_a + r * 8;
         if (row >= slot_end) continue;
         for (int p = 0; p < (kDQ ? 1 : parts); ++p) {  // fast mode: the one slot; else in part order
-          const float* pk = slot_acc(kDQ ? slot : slot + p) + (long)(row - k0) * D + (lane & 3) * 2;
+          const float* pk = part_acc(p) + (long)(row - k0) * D + (lane & 3) * 2;
 #pragma unroll
           for (int j = 0; j < D / 8; ++j) {
             const float2 sk = __ldcg(reinterpret_cast<const float2*>(pk + j * 8));

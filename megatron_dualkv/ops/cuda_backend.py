@@ -345,7 +345,7 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     ranges = list(ranges)  # the parts' ranges are appended to a copy
     out, slots = [], 0
     for it in items:
-        # a prompt tail's items (field 8) are parts of their own already (`_merge_tails`)
+        # a prompt tail's items (field 8) are parts of their own already (`ws_kv_work`, merge_tails)
         long_walk = cta(it) > WS_SPLIT_AT * ideal and not it[8]
         parts = _row_parts([ranges[r] for r in range(it[2], it[3])], starts, cap) if long_walk else []
         if len(parts) < 2 or slots + (len(parts) if per_part else 1) > max_slots:
@@ -406,16 +406,16 @@ def _mark_long_band(items: list, work) -> None:
 def split_slots(items: list, per_part: bool = False) -> int:
     """How many fp32 dK/dV slots the parts of `split_by_rows` name: one per split key tile, or with
     per_part one per part; 0 where nothing is split. Field 7 < 0 is a phase-aligned walk, not a
-    part; the prompt tails' parts (field 8 != 0, `_merge_tails`) come after these slots."""
+    part; the prompt tails' parts (field 8 != 0, `ws_kv_work`, merge_tails) come after these slots."""
     return max(((it[7] >> 20) + (((it[7] >> 10) & 1023) if per_part else 0) + 1
                 for it in items if it[7] > 0 and not it[8]), default=0)
 
 
 def tail_slots(items: list, per_part: bool = False) -> int:
-    """How many fp32 dK/dV slots the prompt tails' parts (`_merge_tails`) take after the split
-    slots: one per tail, or with per_part one per part."""
-    parts = [it for it in items if it[8] and it[7] > 0]
-    return len({it[7] >> 20 for it in parts}) if not per_part else len(parts)
+    """How many fp32 dK/dV slots the prompt tails' parts (`ws_kv_work`, merge_tails) take after
+    the split slots (`_tail_slot_count` per tail)."""
+    owners = [it for it in items if it[8] < 0 and it[7] > 0]
+    return sum(_tail_slot_count(it[7] & 1023, -it[8], per_part) for it in owners)
 
 
 def _phase_walks(items: list, ranges: list) -> None:
@@ -457,7 +457,7 @@ def ws_long_band_by_segment() -> bool:
 
 def ws_tail_merge() -> bool:
     """Whether the ws backward takes a prompt's partial last key tile into its responses' first key
-    tiles (`_merge_tails`); MEGATRON_DUALKV_WS_TAIL=tile keeps the tile (an A/B switch)."""
+    tiles (`ws_kv_work`, merge_tails); MEGATRON_DUALKV_WS_TAIL=tile keeps the tile (an A/B switch)."""
     return _env_choice("MEGATRON_DUALKV_WS_TAIL", ("merge", "tile")) == "merge"
 
 
@@ -465,23 +465,50 @@ def ws_tail_merge() -> bool:
 _MAX_TAIL_SLOTS = 1024
 
 
-def _prompt_tails(segments: SegmentTable, kv_tile: int, per_part: bool) -> tuple[dict, int]:
+def _prompt_tails(segments: SegmentTable, kv_tile: int, split: Optional[tuple]) -> tuple[dict, int]:
     """({root segment -> t}, slots taken): t, the keys of its partial last key tile (length % kv_tile), for the roots
-    with children whose tails `ws_kv_work` merges: while the slots they take (one per tail, or one
-    per part with per_part) stay within _MAX_TAIL_SLOTS and a tail's parts (its own rows + one per
-    child) within _MAX_PARTS."""
-    kids: dict[int, int] = {}
-    for p in segments.host_parent:
+    with children whose tails `ws_kv_work` merges: where `_tail_merge_pays` (with split's query
+    heads per kv head; without a split, every tail: the lists of the tests and models), while the
+    slots they take (`_tail_slot_count`) stay within _MAX_TAIL_SLOTS and a tail's parts (its own rows
+    + one per child) within _MAX_PARTS."""
+    per_part = split is not None and len(split) > 3 and bool(split[3])
+    kids: dict[int, list] = {}
+    for c, p in enumerate(segments.host_parent):
         if p >= 0:
-            kids[p] = kids.get(p, 0) + 1
+            kids.setdefault(p, []).append(segments.host_length[c])
     tails, used = {}, 0
-    for s, n in sorted(kids.items()):
+    for s, lengths in sorted(kids.items()):
         t = segments.host_length[s] % kv_tile
-        cost = n + 1 if per_part else 1
-        if t and n + 1 <= _MAX_PARTS and used + cost <= _MAX_TAIL_SLOTS:
+        if not t or len(lengths) + 1 > _MAX_PARTS:
+            continue
+        cost = _tail_slot_count(len(lengths) + 1, t, per_part)
+        pays = split is None or _tail_merge_pays(t, lengths, split[1], TILE if per_part else WS_BWD_WIDE_TILE)
+        if pays and used + cost <= _MAX_TAIL_SLOTS:
             tails[s] = t
             used += cost
     return tails, used
+
+
+def _tail_merge_pays(t: int, lengths: list, group: int, step: int, kv_tile: int = 128) -> bool:
+    """Whether a prompt tail of t keys costs its responses (of `lengths`) less merged than as a tile
+    of its own, in the split model's units (query steps of `step` rows times the query heads per kv
+    head, WS_CTA_OVERHEAD per CTA). As a tile it walks every response once more; merged, each
+    response's later key tiles start t keys earlier, so each walk takes up to one more partial step
+    (and a tail of nearly kv_tile keys saves nothing: its response tile is nearly all tail)."""
+    old = new = 0
+    for r in lengths:
+        aligned = [r - j for j in range(0, r, kv_tile)]
+        shifted = [r - j + t for j in range(kv_tile, r + t, kv_tile)]
+        old += (sum(_ceil(x, step) for x in aligned) + _ceil(r, step)) * group + len(aligned) * WS_CTA_OVERHEAD
+        new += (_ceil(r, step) + sum(_ceil(x, step) for x in shifted)) * group + (1 + len(shifted)) * WS_CTA_OVERHEAD
+    return new < old
+
+
+def _tail_slot_count(parts: int, t: int, per_part: bool) -> int:
+    """Workspace slots of a prompt tail of t keys and `parts` parts: one (fast mode: the parts add
+    into it), or with per_part one per 128 // t parts (each part's t rows stored apart, summed in part
+    order by the last; dkdv_ws_kernel packs them so)."""
+    return -(-parts // (128 // t)) if per_part else 1
 
 
 def _assign_tail_slots(items: list, base: int, per_part: bool) -> None:
@@ -499,7 +526,7 @@ def _assign_tail_slots(items: list, base: int, per_part: bool) -> None:
         group = parts[tail]
         for i, it in enumerate(group):
             it[7] = (slot << 20) | (i << 10) | len(group)
-        slot += len(group) if per_part else 1
+        slot += _tail_slot_count(len(group), abs(group[0][8]), per_part)
 
 
 def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_tile: int = 128,
@@ -535,7 +562,7 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     _check_depth(segments)
     children = _child_ranges(segments)
     per_part = split is not None and len(split) > 3 and bool(split[3])
-    tails, tail_slots_used = _prompt_tails(segments, kv_tile, per_part) if merge_tails else ({}, 0)
+    tails, tail_slots_used = _prompt_tails(segments, kv_tile, split) if merge_tails else ({}, 0)
     starts_, lengths, parents = segments.host_start, segments.host_length, segments.host_parent
     items, ranges = [], []
 

@@ -555,7 +555,8 @@ def test_wsbwd_prompt_tails_merged(d, deterministic, monkeypatch):
     # fast mode takes the deterministic kernels (a slot per part) on short layouts and at head dim 64
     per_part = deterministic or cuda_backend.fast_bwd_separate_dq(seg, d)
     work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=per_part))
-    assert work.ws_slots[1] == (1 + 12 + 1 + 2 + 1 + 3 + 1 + 40 if per_part else 4), work.ws_slots
+    # per_part: each part's t rows, 128 // t parts to a slot: tails of 6, 5, 104 and 2 keys
+    assert work.ws_slots[1] == (1 + 1 + 4 + 1 if per_part else 4), work.ws_slots
     merged = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
     if deterministic:
         again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
@@ -1121,13 +1122,13 @@ def test_ws_prompt_tails_merged(groups, per_part, monkeypatch):
     its own rows only (field 8 = -t); each of its responses' first key tiles holds the t keys (k0 =
     response start - t, field 8 = t, field 9 = the first tail key). Those are the tail's parts:
     field 7 = (slot << 20) | (part << 10) | parts, the tail's own tile part 0, slots after the split
-    parts' (per_part: one per part, consecutive). split_by_rows leaves them whole; the switch
+    parts' (per_part: one per 128 // t parts, consecutive). split_by_rows leaves them whole; the switch
     MEGATRON_DUALKV_WS_TAIL=tile keeps the old tiles; a prompt of whole tiles has nothing to merge."""
     seg = make_segments(groups, device="cpu")
     split = (8, 4, 132, per_part)
     items, ranges = cuda_backend.ws_kv_work(seg, split=split)
-    tails = {s: seg.host_length[s] % 128 for s in range(len(seg.host_start))
-             if seg.host_parent[s] < 0 and seg.host_length[s] % 128 and s in seg.host_parent}
+    tails = cuda_backend._prompt_tails(seg, 128, split)[0]  # where merging pays (test_ws_tail_merge_rule)
+    assert tails and all(t == seg.host_length[s] % 128 for s, t in tails.items())
     owners = [it for it in items if it[8] < 0]
     assert sorted(it[0] for it in owners) == sorted(seg.host_start[s] + seg.host_length[s] - t for s, t in tails.items())
     row_slots = cuda_backend.split_slots(items, per_part)
@@ -1148,7 +1149,7 @@ def test_ws_prompt_tails_merged(groups, per_part, monkeypatch):
             c = next(c for c in kids if seg.host_start[c] == it[0] + t)
             end = seg.host_start[c] + seg.host_length[c]
             assert it[1] == min(it[0] + 128, end) and ranges[it[2]:it[3]] == [[it[0] + t, end, it[0] + t, 1]]
-        slot += len(parts) if per_part else 1
+        slot += -(-len(parts) // (128 // t)) if per_part else 1  # per_part: 128 // t parts' rows to a slot
     assert cuda_backend.tail_slots(items, per_part) == slot - row_slots
     # the split leaves the tails' items whole: the same as in the list without a split
     plain, plain_ranges = cuda_backend.ws_kv_work(seg)
@@ -1163,6 +1164,22 @@ def test_ws_prompt_tails_merged(groups, per_part, monkeypatch):
         cuda_backend.ws_tail_merge()
     whole = make_segments([(4096, [2048] * 4)], device="cpu")
     assert cuda_backend.ws_kv_work(whole) == cuda_backend.ws_kv_work(whole, merge_tails=False)
+
+
+def test_ws_tail_merge_rule():
+    """A prompt tail is merged where it costs its responses fewer query steps (and CTAs) merged:
+    a few keys behind long responses, not a tail of nearly 128 keys (its response tile is nearly all
+    tail, and every later tile takes one more partial step); without a split (the tests' and models'
+    lists) every tail is merged."""
+    pays = cuda_backend._tail_merge_pays
+    assert pays(6, [1024] * 64, 4, 64) and pays(6, [1024], 4, 80) and pays(18, [1024] * 16, 4, 64)
+    assert not pays(122, [512] * 8, 4, 64) and not pays(104, [1024], 4, 64)
+    seg = make_segments([(262, [1024] * 8), (250, [512] * 8)], device="cpu")
+    split = (8, 4, 132, True)
+    assert cuda_backend._prompt_tails(seg, 128, split)[0] == {0: 6}
+    assert cuda_backend._prompt_tails(seg, 128, None)[0] == {0: 6, 9: 122}
+    items, _ = cuda_backend.ws_kv_work(seg, split=split)
+    assert sorted(it[0] for it in items if it[8] < 0) == [256]
 
 
 @pytest.mark.parametrize("groups, local", [
