@@ -12,11 +12,15 @@ namespace mdkv {
 // 176 at d = 128 (cudaErrorInvalidValue otherwise). Returns cudaErrorInvalidResourceHandle when a
 // TMA tensor map cannot be encoded.
 // narrow_tail: a parent's partial last key tile runs after the row's own tiles with its MMAs
-// narrowed to 64 or 128 keys where they cover its keys; false: in key order at full width.
+// narrowed to 16, 32, 64 or 128 keys where they cover its keys (16 and 32 unless
+// MEGATRON_DUALKV_WS_FWD_TAIL_MIN=64); false: in key order at full width.
 // a.tile_counter (a zeroed int) set: persistent CTAs, one per SM, take the query tiles in turn
 // (the same results bitwise); null: one CTA per query tile.
 cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, bool narrow_tail,
                                cudaStream_t stream);
+// The narrowest width of that tail, from MEGATRON_DUALKV_WS_FWD_TAIL_MIN (read at every launch): 16
+// (unset or empty too), 64, or -1 for any other value (the launch then returns cudaErrorInvalidValue)
+int ws_fwd_tail_min_from_env();
 
 }  // namespace mdkv
 

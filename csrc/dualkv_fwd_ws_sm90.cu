@@ -13,7 +13,7 @@
 //     from (28, 8192, R) up, 1.6-3 % slower on (28, 4096, R) (docs/PERF.md, fifteenth and twentieth
 //     sessions).
 //   A parent's partial last key tile (P = 16384 in 176-key tiles: 16 real keys of 176) runs after
-//     the row's own tiles with its MMAs narrowed to 64 or 128 keys when the caller asks
+//     the row's own tiles with its MMAs narrowed to 16, 32, 64 or 128 keys when the caller asks
 //     (narrow_tail; cuda_backend.ws_fwd_narrow_tail: on every layout unless forced to key order).
 //   warpgroups 1, 2, consumers: 64 query rows each. They never meet at a CTA barrier: each
 //     waits on the stage's "full" mbarriers and arrives (lane 0 of each warp) on the stage's
@@ -54,6 +54,7 @@
 
 #include "dualkv_kernels.h"
 #include "dualkv_fwd_ws.h"
+#include "env_choice.h"
 #include "sm90_common.h"
 #include "sm90_ws_common.h"
 #include "wgmma_ops.h"
@@ -147,8 +148,9 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 template <int kBK>
 struct FwdTile {
   int hk, h, q0, q1, self0, par0, par1, qloc, n_par, n_total, tail_w, n_main, n_pfull;
-  // b: the query tile in kv-head-major order; narrow: the parent's partial last tile may run narrowed
-  __device__ __forceinline__ FwdTile(const FwdArgs& a, unsigned b, bool narrow) {
+  // b: the query tile in kv-head-major order; narrow: the narrowest width the parent's partial last
+  // tile may run at (16 or 64; 0: not narrowed)
+  __device__ __forceinline__ FwdTile(const FwdArgs& a, unsigned b, int narrow) {
     const KvHeadMajorBlock blk(b, a.num_items, a.hq, a.hkv);
     hk = blk.hk;
     h = blk.h;
@@ -157,13 +159,19 @@ struct FwdTile {
     n_par = (par1 - par0 + kBK - 1) / kBK;
     n_total = n_par + (q1 - self0 + kBK - 1) / kBK;  // > n_par: q0 >= self0, q1 > q0
     // The parent's last key tile holds only `tail` of its kBK keys; the rest are other tokens' rows,
-    // masked (P = 16384 with 176-key tiles: 160 of the 176). Where 64 or 128 keys cover the tail
-    // (tail_w < kBK) that tile goes last, after the row's own tiles, and runs after the loop with
-    // its S and P V narrowed to tail_w keys; the loop's code is the same either way (docs/PERF.md,
-    // nineteenth session: a width chosen inside the loop, or a peeled first step, made ptxas
-    // serialize the wgmmas or cost 2-5 %).
+    // masked (P = 16384 with 176-key tiles: 160 of the 176). Where 16, 32, 64 or 128 keys cover the
+    // tail (tail_w < kBK) that tile goes last, after the row's own tiles, and runs after the loop
+    // with its S and P V narrowed to tail_w keys; the loop's code is the same either way
+    // (docs/PERF.md, nineteenth session: a width chosen inside the loop, or a peeled first step,
+    // made ptxas serialize the wgmmas or cost 2-5 %).
     const int tail = n_par > 0 ? par1 - par0 - (n_par - 1) * kBK : kBK;
-    tail_w = !narrow || n_par < 1 ? kBK : (tail <= 64 ? 64 : (tail <= 128 ? 128 : kBK));
+    // (16 and 32 at 128-key tiles only: with them the 176-key instance spilled 48 bytes)
+    const bool narrower = kBK == 128 && narrow <= 16;
+    tail_w = !narrow || n_par < 1 ? kBK
+             : tail <= 16 && narrower ? 16
+             : tail <= 32 && narrower ? 32
+             : tail <= 64 ? 64
+             : tail <= 128 ? 128 : kBK;
     n_main = tail_w < kBK ? n_total - 1 : n_total;  // tiles of the loop: >= 1 (the own rows)
     n_pfull = tail_w < kBK ? n_par - 1 : n_par;     // parent tiles among them
   }
@@ -202,7 +210,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   // and the slot in which the producer publishes the next query tile (-1: none left)
   const uint32_t q_empty = smem_addr(reinterpret_cast<void*>(base + L::kQEmpty));
   volatile int* slot = reinterpret_cast<volatile int*>(base + L::kSlot);
-  const bool narrow = kPingPong && narrow_tail;
+  const int narrow = kPingPong ? narrow_tail : 0;
   const FwdTile<kBK> first(a, blockIdx.x, narrow);  // one tile per CTA: this CTA's
 
   // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
@@ -395,7 +403,11 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       reg_fence(o);
       if (lane == 0) mbar_arrive(ring.v_empty(st));
     };
-    if (tail_w == 64)
+    if (kBK == 128 && tail_w == 16)
+      narrow_tail_tile(std::integral_constant<int, 16>());
+    else if (kBK == 128 && tail_w == 32)
+      narrow_tail_tile(std::integral_constant<int, 32>());
+    else if (tail_w == 64)
       narrow_tail_tile(std::integral_constant<int, 64>());
     else if (tail_w == 128 && kBK > 128)
       narrow_tail_tile(std::integral_constant<int, 128>());
@@ -463,11 +475,19 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, bool narro
   if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) ||
       !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
-  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? 1 : 0);
+  const int narrowest = ws_fwd_tail_min_from_env();
+  if (narrowest < 0) return cudaErrorInvalidValue;  // the op names the variable first
+  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? narrowest : 0);
   return cudaGetLastError();
 }
 
 }  // namespace sm90ws
+
+int ws_fwd_tail_min_from_env() {
+  // 16: a tail of up to 16 or 32 keys runs at that width (the ragged prompts of GRPO layouts);
+  // 64: at 64 at least, as before (an A/B switch)
+  return env_choice("MEGATRON_DUALKV_WS_FWD_TAIL_MIN", {{"16", 16}, {"64", 64}});
+}
 
 cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, bool narrow_tail,
                                cudaStream_t stream) {

@@ -69,6 +69,9 @@ def main():
         print(ss_ta(80, ty))
         # the ws forward's 176-key tiles: S = Q K^T
         print(ss(176, ty))
+        # the ws forward's parent tail narrowed to 16 or 32 keys: S = Q K^T
+        print(ss(16, ty))
+        print(ss(32, ty))
     print("}  // namespace mdkv")
 
 

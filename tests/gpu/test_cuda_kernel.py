@@ -762,19 +762,25 @@ def test_ws_forward_names_a_bad_key_tile():
 @pytest.mark.parametrize("tile", [128, 176])
 def test_ws_forward_tail_first_matches_key_order(tile, monkeypatch):
     """The parent's last key tile last, after the loop, with narrowed MMAs (the default) against the
-    same tile in key order at full width: both as close to float64 as the other. Prompts of 1, 77, 130 and 1999
-    rows leave 1, 77, 2 and 79 keys in the last 128-key tile (narrowed to 64 or left full) and 1, 77,
-    130 and 63 in the last 176-key tile (64, 128, full, 64)."""
-    seg = make_segments([(1, [3, 40]), (77, [30, 200]), (130, [129]), (1999, [5, 300])], pad=5)
+    same tile in key order at full width, and narrowed to 64 keys at least
+    (MEGATRON_DUALKV_WS_FWD_TAIL_MIN=64, the previous rule): each as close to float64 as the
+    others. Prompts of 1, 77, 130, 150, 168 and 1999 rows leave 1, 77, 2, 22, 40 and 79 keys in the
+    last 128-key tile (narrowed to 16, 128, 16, 32, 64, left full; at least 64 with the switch) and
+    1, 77, 130, 150, 168 and 63 in the last 176-key tile (64, 128, full, full, full, 64)."""
+    seg = make_segments([(1, [3, 40]), (77, [30, 200]), (130, [129]), (150, [20, 64]), (168, [33]), (1999, [5, 300])],
+                        pad=5)
     q, k, v, _ = inputs(seg.num_tokens, 32, 8, 128, torch.bfloat16, seed=random.randrange(1 << 20))
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", str(tile))
     got = {}
-    for mode in ("narrow", "full"):
+    for mode, narrowest in (("narrow", "16"), ("narrow", "64"), ("full", "16")):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", mode)
-        got[mode] = cuda_backend.forward(q, k, v, seg, 0.09, fwd_impl="ws")
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL_MIN", narrowest)
+        got[mode, narrowest] = cuda_backend.forward(q, k, v, seg, 0.09, fwd_impl="ws")
     ex_out, ex_lse = exact(q, k, v, q, seg, 0.09)[:2]
     e = {mode: rel(out, ex_out) for mode, (out, _) in got.items()}
-    assert e["narrow"] <= e["full"] * 1.05 + 1e-7 and e["full"] <= e["narrow"] * 1.05 + 1e-7, e
+    for a_ in e:
+        for b_ in e:
+            assert e[a_] <= e[b_] * 1.05 + 1e-7, e
     for mode, (_, lse) in got.items():
         assert (lse.double() - ex_lse).abs().max().item() < 1e-3, mode
 
@@ -815,6 +821,10 @@ def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
     q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be"):
+        cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL_MIN", "8")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_TAIL_MIN must be '16' or '64'"):
         cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
 
 
