@@ -238,9 +238,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // (cuda_backend.ws_kv_work, merge_tails): key rows k0..k0 + tail - 1 of the tile are the prompt's
   // keys tail_dest.. (loaded over the box's first rows), rows k0 + tail..k1 the response's keys
   // k0 + tail..; the tile walks the response's rows only (k0 + tail on), so the causal mask (query
-  // row >= k0 + key index) never masks the tail keys, which every row of the response attends; the tail rows' dK/dV are a part of
-  // the tail's slot (field 7), stored at tail_dest.. by its last part. Else tail <= 0 and
-  // tail_dest = k0 (a split part's rows go to their own rows).
+  // row >= k0 + key index) never masks the tail keys, which every row of the response attends.
+  // The tail rows' dK/dV are a part of the tail's slot (field 7), stored at tail_dest.. by its last
+  // part. Else tail <= 0 and tail_dest = k0 (a split part's rows go to their own rows).
   const int tail = w[8] > 0 ? w[8] : 0, tail_dest = w[9];
   // field 7: 0, or (slot << 20) | (part << 10) | parts: a key tile split by query rows
   // (cuda_backend.split_by_rows, where one CTA walking all its rows would outlast the rest of the
@@ -334,8 +334,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         constexpr int kChunks = D / 8, kRowsPerPass = 32 / (2 * kChunks);
         const int c = lane % kChunks, of_v = (lane / kChunks) & 1;
         const long row_stride = (long)a.hkv * D;
-        const T* g = reinterpret_cast<const T*>(of_v ? a.v : a.k) + (long)(tail_dest + lane / (2 * kChunks)) * row_stride +
-                     hk * D + c * 8;
+        const T* g = reinterpret_cast<const T*>(of_v ? a.v : a.k) +
+                     (long)(tail_dest + lane / (2 * kChunks)) * row_stride + hk * D + c * 8;
         const uint32_t dst = smem_addr(of_v ? sV : sK) + (c >> 3) * kKVB * 128;
 #pragma unroll 1
         for (int r = lane / (2 * kChunks); r < tail; r += kRowsPerPass, g += kRowsPerPass * row_stride) {

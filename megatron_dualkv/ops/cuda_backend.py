@@ -99,7 +99,8 @@ def _load() -> tuple[bool, str]:
 # the key tile width (kv_tile); 4: and narrow_tail; 5: a split part's field 7 is
 # (slot << 20) | (part << 10) | parts (a format-4 build would read its slot from the wrong bits);
 # 6: fwd_ws_sm90 takes persistent; 7: ws kv items of 10 fields (8: a prompt's tail keys at the
-# head of a response's first key tile, 9: where a split row's dK/dV go) and bwd_ws_sm90 takes tail_slots.
+# head of a response's first key tile, 9: where a slot's rows are stored) and bwd_ws_sm90 takes
+# tail_slots.
 WS_LIST_FORMAT = 7
 
 
@@ -832,8 +833,9 @@ class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
     bwd_kind, slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
     (`_lists` picks the work lists that match both kinds); slots: the ws backward's workspace slots
-    (key tiles split by query rows, prompt tails: `Work.ws_slots`); fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
-    persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`, `ws_fwd_persistent`)."""
+    (key tiles split by query rows, prompt tails: `Work.ws_slots`); fwd_tiling: the ws forward's
+    (keys per tile, narrowed parent tail, persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`,
+    `ws_fwd_persistent`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
@@ -863,10 +865,10 @@ class _DualKVFunction(torch.autograd.Function):
 
 
 def _lists(work: Work, fwd_kind: str, bwd_kind: str) -> tuple:
-    """(forward rows, backward rows, kv items, ranges, backward kernel, split slots) for the
-    kernels chosen. The ws backward's deterministic mode takes `work` built without phase-aligned
-    walks and with a workspace slot per split part (forward() builds it so) and the 128-row query
-    tiles for its dQ kernel."""
+    """(forward rows, backward rows, kv items, ranges, backward kernel, workspace slots (split
+    parts', prompt tails')) for the kernels chosen. The ws backward's deterministic mode takes
+    `work` built without phase-aligned walks and with a workspace slot per split part (forward()
+    builds it so) and the 128-row query tiles for its dQ kernel."""
     fwd_rows = work.rows64 if fwd_kind == "mma" else work.rows128
     if bwd_kind == "ws":
         return fwd_rows, work.rows128, work.ws_kv, work.ws_ranges, "ws", work.ws_slots
