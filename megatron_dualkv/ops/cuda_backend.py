@@ -462,17 +462,22 @@ def ws_tail_merge() -> bool:
     return _env_choice("MEGATRON_DUALKV_WS_TAIL", ("merge", "tile")) == "merge"
 
 
-# Slots the prompt tails may take (the split parts take the rest of _MAX_SLOTS)
+# Slots the prompt tails may take (the split parts take the rest of _MAX_SLOTS): fast mode one per
+# tail; the deterministic mode's parts store their rows apart, so a micro-batch of many short
+# groups would ask hundreds (64 x (16, 300, 200): 445 slots, 456 MB at Hkv = 8, head dim 128). Each
+# slot is Hkv x 2 x 128 x D fp32 (1 MiB at Hkv = 8, D = 128); past the cap a tail keeps its tile.
 _MAX_TAIL_SLOTS = 1024
+_MAX_TAIL_SLOTS_PER_PART = 256
 
 
 def _prompt_tails(segments: SegmentTable, kv_tile: int, split: Optional[tuple]) -> tuple[dict, int]:
     """({root segment -> t}, slots taken): t, the keys of its partial last key tile (length % kv_tile), for the roots
     with children whose tails `ws_kv_work` merges: where `_tail_merge_pays` (with split's query
     heads per kv head; without a split, every tail: the lists of the tests and models), while the
-    slots they take (`_tail_slot_count`) stay within _MAX_TAIL_SLOTS and a tail's parts (its own rows
-    + one per child) within _MAX_PARTS."""
+    slots they take (`_tail_slot_count`) stay within _MAX_TAIL_SLOTS (_MAX_TAIL_SLOTS_PER_PART with
+    a slot per part) and a tail's parts (its own rows + one per child) within _MAX_PARTS."""
     per_part = split is not None and len(split) > 3 and bool(split[3])
+    cap = _MAX_TAIL_SLOTS_PER_PART if per_part else _MAX_TAIL_SLOTS
     kids: dict[int, list] = {}
     for c, p in enumerate(segments.host_parent):
         if p >= 0:
@@ -484,7 +489,7 @@ def _prompt_tails(segments: SegmentTable, kv_tile: int, split: Optional[tuple]) 
             continue
         cost = _tail_slot_count(len(lengths) + 1, t, per_part)
         pays = split is None or _tail_merge_pays(t, lengths, split[1], TILE if per_part else WS_BWD_WIDE_TILE)
-        if pays and used + cost <= _MAX_TAIL_SLOTS:
+        if pays and used + cost <= cap:
             tails[s] = t
             used += cost
     return tails, used

@@ -1190,6 +1190,14 @@ def test_ws_tail_merge_rule():
     assert cuda_backend._prompt_tails(seg, 128, None)[0] == {0: 6, 9: 122}
     items, _ = cuda_backend.ws_kv_work(seg, split=split)
     assert sorted(it[0] for it in items if it[8] < 0) == [256]
+    # the deterministic mode's slots (a part's rows apart) stop at _MAX_TAIL_SLOTS_PER_PART; fast mode's go on
+    many = make_segments([(300, [200] * 16)] * 64, device="cpu")
+    det_tails, det_slots = cuda_backend._prompt_tails(many, 128, (8, 4, 132, True))
+    fast_tails, fast_slots = cuda_backend._prompt_tails(many, 128, (8, 4, 132, False))
+    assert det_slots <= cuda_backend._MAX_TAIL_SLOTS_PER_PART < det_slots + 9 and 0 < len(det_tails) < 64
+    assert len(fast_tails) == fast_slots == 64
+    det_items, _ = cuda_backend.ws_kv_work(many, split=(8, 4, 132, True))
+    assert cuda_backend.tail_slots(det_items, True) == det_slots
 
 
 @pytest.mark.parametrize("groups, local", [
