@@ -57,11 +57,14 @@ BWD_MUTATIONS = {   # mutation -> what the kernel would do wrong (each must make
     "staging_e_arrives": "dQ staging: warp 0 only arrives at barrier 4 + cw and issues the reduce before warps 1-3 stored",
     "last_turn_passes": "turns: consumer 1's last section passes the turn on (an arrival nobody consumes)",
     "wide_release_before_b": "wide steps: the stage is released before dV / dK have completed",
+    "no_kv_tma_wait": "prompt tail: the producer writes the tail rows without waiting for the K/V box to land",
+    "tail_box_on_kv_full": "prompt tail: the K/V box completes kv_full itself, so the consumers may start before the tail rows are written",
 }
 WIDE_ONLY = {"wide_release_before_b"}  # mutations of the wide walk (checked with wide=True)
+TAIL_ONLY = {"no_kv_tma_wait", "tail_box_on_kv_full"}  # mutations of a prompt tail's tile (tail=True)
 
 
-def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=False):
+def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=False, tail=False):
     """The ws backward (csrc/dualkv_bwd_ws_sm90.cu): a Q/dO/lse/delta ring of S stages, K/V once,
     tile descriptors in a ring of 8, dS^T in two buffers of two key halves (consumer h writes half
     h) with full / empty mbarriers, and dQ one step behind: step i's second MMA group holds dV, dK
@@ -70,7 +73,9 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=Fa
     needs d128 and tma_dq): a ring of 2 stages; dV, dK are a group of their own inside the turn, and
     dQ of step i-1 is issued outside the turns once they have completed, the stage released
     between the two. turns: the consumers take turns issuing their MMA groups (named barriers
-    8 + cw). Each consumer warpgroup is two agents: "e" (warp 0, whose
+    8 + cw). tail (a response's first key tile holding its prompt's tail keys): the K/V box lands
+    on kv_tma, the producer waits for it, writes the tail rows over the box's first rows, then
+    arrives on kv_full; the consumers must find both. Each consumer warpgroup is two agents: "e" (warp 0, whose
     lane 0 issues the dQ reduces) and "r" (warps 1-3); wgmma is
     warp-synchronous only, so each agent issues and waits for its own part of every MMA. tma_dq:
     dQ goes through the consumer's staging tile and a TMA reduce whose smem read and global write
@@ -87,6 +92,8 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=Fa
     ring = 3 if mutation == "td_ring_3" else 8
     halves_of = lambda w: (0, 1) if d128 else (w,)
     kv_full = MBar(1)
+    kv_tma = MBar(1)   # a prompt tail's tile: the box alone
+    kv = {"box": False, "tail": False}
     qf = [MBar(2) for _ in range(S)]   # producer lane 0 (expect_tx) + the lanes' lse/delta arrival
     em = [MBar(4) for _ in range(S)]   # both consumers' agents
     ds_full = [[MBar(2), MBar(2)] for _ in range(2)]                       # [buffer][half]: writer's agents
@@ -108,7 +115,14 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=Fa
     exited = set()
 
     def producer():
-        kv_full.arrive(tx=1); tma.append((None, None, kv_full))
+        box_bar = kv_tma if tail and mutation != "tail_box_on_kv_full" else kv_full
+        box_bar.arrive(tx=1); tma.append(("KV", None, box_bar))
+        if tail:
+            if mutation != "no_kv_tma_wait":
+                while not kv_tma.done(0): yield
+            kv["tail"] = True   # the tail rows over the box's first rows, then fence.proxy.async
+            yield
+            if mutation != "tail_box_on_kv_full": kv_full.arrive()
         for i in range(n):
             st = i % S
             if i >= S:
@@ -165,6 +179,7 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=Fa
     def consumer(w, ag):
         me = (w, ag)
         while not kv_full.done(0): yield
+        assert kv["box"] and (kv["tail"] or not tail), f"WG{w}{ag} starts on K/V {kv} (box landed, tail rows written)"
         if n > 0:
             if turns and w == 1: turn[0].arrive(me)
             for i in range(n):
@@ -230,7 +245,9 @@ def run_bwd(n, seed, d128=True, tma_dq=False, turns=True, mutation=None, wide=Fa
         choice = rnd.random()
         if tma and choice < 0.2:
             st, i, mb = tma.pop(rnd.randrange(len(tma)))
-            if st is not None:
+            if st == "KV":   # the whole box, its first rows included
+                kv["box"], kv["tail"] = True, False
+            elif st is not None:
                 assert not readers[st], f"TMA step {i} overwrites stage {st} while read by {readers[st]}"
                 stage[st] = i
             mb.complete_tx(1); continue
@@ -268,7 +285,7 @@ def check_bwd_mutations(seeds=300):
                 wide = m in WIDE_ONLY
                 if wide and not d128: continue
                 try:
-                    run_bwd(n, seed, d128, tma_dq=True, turns=turns, mutation=m, wide=wide)
+                    run_bwd(n, seed, d128, tma_dq=True, turns=turns, mutation=m, wide=wide, tail=m in TAIL_ONLY)
                 except AssertionError as e:
                     caught = f"{e} (n={n}, d128={d128}, turns={turns}, wide={wide})"
                     break
@@ -605,7 +622,9 @@ if __name__ == "__main__":
                 for turns in (False, True):
                     run_bwd(n, seed, d128=True, tma_dq=tma_dq, turns=turns)
                     run_bwd(n, seed, d128=False, tma_dq=tma_dq, turns=turns)
-                    if tma_dq: run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
+                    if tma_dq:
+                        run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
+                        run_bwd(n, seed, tma_dq=True, turns=turns, wide=True, tail=True)
             run_persistent(n, seed)
             run_dq(n, seed)
             run_det_overlap(n, seed)

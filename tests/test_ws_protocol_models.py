@@ -1,6 +1,6 @@
 """The warp-specialized kernels' synchronization protocols, replayed on the host under random
 interleavings (csrc/ws_pipeline_model.py): the forward (one query tile per CTA, and persistent
-CTAs taking several), the backward (both dQ modes, 64- and 80-row steps), the deterministic
+CTAs taking several), the backward (both dQ modes, 64- and 80-row steps, a prompt tail's tile), the deterministic
 dK/dV kernel's overlapped walk and the ws dQ kernel. Each run
 checks that no MMA reads a stage holding another tile, that no TMA lands in a stage still read,
 that the turns balance, and that nothing deadlocks. Each mutation (a protocol bug the kernels
@@ -27,6 +27,9 @@ def test_forward_and_backward_protocols(n):
                 model.run_bwd(n, seed, d128=d128, tma_dq=tma_dq)
         for turns in (True, False):  # 80-row steps, the default at head dim 128
             model.run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
+            # a response tile holding its prompt's tail keys (loaded over the K/V box's first rows)
+            model.run_bwd(n, seed, tma_dq=True, turns=turns, wide=True, tail=True)
+        model.run_bwd(n, seed, d128=False, tma_dq=True, tail=True)
 
 
 @pytest.mark.parametrize("n", STEPS)
