@@ -24,7 +24,9 @@ Kernels (sm_90a, Hopper; see docs/PERF.md "CUDA kernel"):
   the same kernel computes dK/dV only, each key tile walked in list order (no phase-aligned walks;
   a split key tile's parts store their dK/dV in a workspace slot each, summed in part order), then
   the ws dQ kernel (csrc/dualkv_dq_ws_sm90.cu; MEGATRON_DUALKV_DQ_KERNEL=sm90: the sm90 one, bitwise
-  the same): where no key tile is split, bitwise equal to the sm90 deterministic backward.
+  the same): where no key tile is split, bitwise equal to the sm90 deterministic backward. A
+  prompt's partial last key tile is taken into its responses' first key tiles where that pays
+  (`ws_kv_work`, merge_tails; its dK/dV summed over them like a split tile's).
 An extension built before the ws ops existed falls back to the sm90 kernels.
 
 Work lists (query tiles per segment; key tiles with the query ranges that attend them) are built
