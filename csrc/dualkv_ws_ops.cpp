@@ -123,7 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   ka.reverse_rows = split_slots > 0 && mdkv::ws_reverse_rows_from_env() == 1;
   // dK/dV of the key tiles split by query rows and of the prompt tails, and their tickets: fast
   // mode, one slot of sums per split tile or tail (zeroed: parts add into it); deterministic, one
-  // slot per part (each part stores its whole slot before the last part reads it)
+  // slot per part, a prompt tail's t-row parts packed 128 // t to a slot (each part stores its rows
+  // before the last part reads them)
   at::Tensor split_acc, split_count;
   if (slots > 0) {
     const std::vector<int64_t> shape{slots, k.size(1), 2, 128, q.size(2)};
@@ -190,10 +191,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // field 7 < 0 marks a phase-aligned walk; 3: fwd_ws_sm90 takes kv_tile; 4: and narrow_tail; 5: a
 // split part's field 7 is (slot << 20) | (part << 10) | parts, and deterministic lists split; 6:
 // fwd_ws_sm90 takes persistent; 7: kv items of mdkv::kWsKvItemInts fields, the prompt tails
-// merged into their responses' first key tiles, and bwd_ws_sm90 takes tail_slots). The package refuses a build that reads another format: a format-1
-// build would take a phase walk for a split part and write outside its workspace, a format-2 one
-// has no kv_tile argument, a format-3 one no narrow_tail, a format-4 one would read a part's slot
-// from the wrong bits, a format-5 one has no persistent argument, a format-6 one reads 8 fields.
+// merged into their responses' first key tiles, and bwd_ws_sm90 takes tail_slots). The package
+// refuses a build that reads another format: a format-1 build would take a phase walk for a split
+// part and write outside its workspace, a format-2 one has no kv_tile argument, a format-3 one no
+// narrow_tail, a format-4 one would read a part's slot from the wrong bits, a format-5 one has no
+// persistent argument, a format-6 one reads 8 fields.
 constexpr int64_t kWsListFormat = 7;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {

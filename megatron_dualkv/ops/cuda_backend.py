@@ -406,6 +406,11 @@ def _mark_long_band(items: list, work) -> None:
         it[5] = n_long
 
 
+def _per_part(split: Optional[tuple]) -> bool:
+    """Whether `ws_kv_work`'s split argument asks for the deterministic lists (a slot per part)."""
+    return split is not None and len(split) > 3 and bool(split[3])
+
+
 def split_slots(items: list, per_part: bool = False) -> int:
     """How many fp32 dK/dV slots the parts of `split_by_rows` name: one per split key tile, or with
     per_part one per part; 0 where nothing is split. Field 7 < 0 is a phase-aligned walk, not a
@@ -478,7 +483,7 @@ def _prompt_tails(segments: SegmentTable, kv_tile: int, split: Optional[tuple]) 
     heads per kv head; without a split, every tail: the lists of the tests and models), while the
     slots they take (`_tail_slot_count`) stay within _MAX_TAIL_SLOTS (_MAX_TAIL_SLOTS_PER_PART with
     a slot per part) and a tail's parts (its own rows + one per child) within _MAX_PARTS."""
-    per_part = split is not None and len(split) > 3 and bool(split[3])
+    per_part = _per_part(split)
     cap = _MAX_TAIL_SLOTS_PER_PART if per_part else _MAX_TAIL_SLOTS
     kids: dict[int, list] = {}
     for c, p in enumerate(segments.host_parent):
@@ -569,7 +574,7 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     keys in. dest: where the rows of a slot go (k0, but for a tail's response tiles)."""
     _check_depth(segments)
     children = _child_ranges(segments)
-    per_part = split is not None and len(split) > 3 and bool(split[3])
+    per_part = _per_part(split)
     tails, tail_slots_used = _prompt_tails(segments, kv_tile, split) if merge_tails else ({}, 0)
     starts_, lengths, parents = segments.host_start, segments.host_length, segments.host_parent
     items, ranges = [], []
@@ -641,7 +646,7 @@ class Work:
         ws_items, ws_ranges = ws_kv_work(segments, chunks, split=split, phase=phase,
                                          long_band_by_segment=long_band_by_segment, merge_tails=merge_tails)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
-        per_part = split is not None and len(split) > 3 and bool(split[3])
+        per_part = _per_part(split)
         # the op's workspace slots: (split parts', prompt tails')
         self.ws_slots = (split_slots(ws_items, per_part), tail_slots(ws_items, per_part))
         if not self.local:

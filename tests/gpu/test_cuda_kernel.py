@@ -305,13 +305,27 @@ def deterministic_runs(case, seed, settings, monkeypatch, bwd_impl="ws"):
     return runs
 
 
+GRADS = {"dq": 2, "dk": 3, "dv": 4}  # run_kernel's outputs
+
+
 def assert_same_bits(runs, names, what):
     """Every run's gradients `names` (of dq, dk, dv) bitwise the first run's, and finite."""
     for name in names:
-        i = {"dq": 2, "dk": 3, "dv": 4}[name]
+        i = GRADS[name]
         assert torch.isfinite(runs[0][i]).all(), f"{name}: non-finite elements (unwritten?)"
         for other in runs[1:]:
             assert torch.equal(runs[0][i], other[i]), f"{name} differs {what}: rel {rel(runs[0][i], other[i]):.3e}"
+
+
+def assert_close_no_worse(got, ref, ex, names, against, finite=False):
+    """Gradients `names` of run `got` within bf16 rounding of run `ref`'s (rel < 1e-2) and no further
+    from the float64 gradients `ex` than ref's (SLACK); finite: and every element finite."""
+    for name in names:
+        i = GRADS[name]
+        if finite:
+            assert torch.isfinite(got[i]).all(), f"{name}: non-finite elements (unwritten?)"
+        assert rel(got[i], ref[i]) < 1e-2, f"{name}: rel {rel(got[i], ref[i]):.3e} {against}"
+        assert rel(got[i], ex[i]) <= rel(ref[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
 
 
 @gpu
@@ -407,16 +421,11 @@ def test_wsbwd_deterministic_split(case, monkeypatch):
     a = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
     assert asked and all(kw.get("per_part") for kw in asked), f"deterministic forward() asked for {asked}"
     b = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
-    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-        assert torch.isfinite(a[i]).all(), f"{name}: non-finite elements (unwritten?)"
-        assert torch.equal(a[i], b[i]), f"{name} differs between two deterministic runs"
+    assert_same_bits([a, b], ["dq", "dk", "dv"], "between two deterministic runs")
     monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
     whole = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
     assert torch.equal(a[2], whole[2]), "dq changed with the split"
-    ex = exact(q, k, v, dout, seg, scale)
-    for name, i in (("dk", 3), ("dv", 4)):
-        assert rel(a[i], whole[i]) < 1e-2, f"{name}: rel {rel(a[i], whole[i]):.3e} vs unsplit"
-        assert rel(a[i], ex[i]) <= rel(whole[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+    assert_close_no_worse(a, whole, exact(q, k, v, dout, seg, scale), ["dk", "dv"], "vs unsplit")
 
 
 @gpu
@@ -444,9 +453,7 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
     ws = run_kernel(q, k, v, dout, seg, 0.1, impl="sm90", bwd_impl="ws")
     ex = exact(q, k, v, dout, seg, 0.1)
     if walk != "plain":
-        for name, i in (("dk", 3), ("dv", 4)):
-            assert rel(ws[i], ref[i]) < 1e-2, f"{name}: rel {rel(ws[i], ref[i]):.3e} vs sm90"
-            assert rel(ws[i], ex[i]) <= rel(ref[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+        assert_close_no_worse(ws, ref, ex, ["dk", "dv"], "vs sm90")
     else:
         assert torch.equal(ws[3], ref[3]), f"dk differs from sm90's: rel {rel(ws[3], ref[3]):.3e}"
         assert torch.equal(ws[4], ref[4]), f"dv differs from sm90's: rel {rel(ws[4], ref[4]):.3e}"
@@ -501,10 +508,7 @@ def test_fast_mode_on_the_separate_dq_layouts_is_the_deterministic_backward(d, m
         assert torch.equal(fast[i], det[i]), f"{name}: fast mode on this layout is not the deterministic backward"
     monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
     fused = run_kernel(q, k, v, dout, seg, 0.1, deterministic=False, impl="ws", bwd_impl="ws")
-    ex = exact(q, k, v, dout, seg, 0.1)
-    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-        assert rel(fast[i], fused[i]) < 1e-2, f"{name}: rel {rel(fast[i], fused[i]):.3e} against the fused kernel"
-        assert rel(fast[i], ex[i]) <= rel(fused[i], ex[i]) * SLACK + 1e-7, f"{name}: error vs float64"
+    assert_close_no_worse(fast, fused, exact(q, k, v, dout, seg, 0.1), ["dq", "dk", "dv"], "against the fused kernel")
 
 
 @gpu
@@ -533,9 +537,7 @@ def test_wsbwd_long_band_order(deterministic, monkeypatch):
     for name, i in (("out", 0), ("dk", 3), ("dv", 4)) + ((("dq", 2),) if deterministic else ()):
         assert torch.equal(grouped[i], work[i]), f"{name} differs between the band orders"
     if not deterministic:
-        ex = exact(q, k, v, dout, seg, 0.1)
-        assert rel(grouped[2], work[2]) < 1e-2, f"dq: rel {rel(grouped[2], work[2]):.3e} between the orders"
-        assert rel(grouped[2], ex[2]) <= rel(work[2], ex[2]) * SLACK + 1e-7, "dq error vs float64"
+        assert_close_no_worse(grouped, work, exact(q, k, v, dout, seg, 0.1), ["dq"], "between the orders")
 
 
 
@@ -560,15 +562,11 @@ def test_wsbwd_prompt_tails_merged(d, deterministic, monkeypatch):
     merged = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
     if deterministic:
         again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
-        for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-            assert torch.equal(merged[i], again[i]), f"{name} differs between two deterministic runs"
+        assert_same_bits([merged, again], ["dq", "dk", "dv"], "between two deterministic runs")
     monkeypatch.setenv("MEGATRON_DUALKV_WS_TAIL", "tile")
     tiles = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
-    ex = exact(q, k, v, dout, seg, 0.1)
-    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-        assert torch.isfinite(merged[i]).all(), f"{name}: non-finite elements (unwritten?)"
-        assert rel(merged[i], tiles[i]) < 1e-2, f"{name}: rel {rel(merged[i], tiles[i]):.3e} vs the tail tiles"
-        assert rel(merged[i], ex[i]) <= rel(tiles[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+    assert_close_no_worse(merged, tiles, exact(q, k, v, dout, seg, 0.1), ["dq", "dk", "dv"], "vs the tail tiles",
+                          finite=True)
     if per_part:
         assert torch.equal(merged[2], tiles[2]), "dq (the dQ kernel's) changed with the merged tails"
 
@@ -587,15 +585,11 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
     rev = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
     if deterministic:
         again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
-        for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-            assert torch.equal(rev[i], again[i]), f"{name} differs between two deterministic runs"
+        assert_same_bits([rev, again], ["dq", "dk", "dv"], "between two deterministic runs")
     monkeypatch.setenv("MEGATRON_DUALKV_WS_REVERSE_ROWS", "0")
     listed = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
-    ex = exact(q, k, v, dout, seg, 0.1)
-    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-        assert torch.isfinite(rev[i]).all(), f"{name}: non-finite elements (unwritten?)"
-        assert rel(rev[i], listed[i]) < 1e-2, f"{name}: rel {rel(rev[i], listed[i]):.3e} vs list order"
-        assert rel(rev[i], ex[i]) <= rel(listed[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
+    assert_close_no_worse(rev, listed, exact(q, k, v, dout, seg, 0.1), ["dq", "dk", "dv"], "vs list order",
+                          finite=True)
 
 
 @gpu
