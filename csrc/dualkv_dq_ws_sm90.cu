@@ -26,6 +26,12 @@
 //     arrivals of a phase belong to one tile.
 // Named barriers 1, 2: consumer 1 arrives once up front, then each passes the turn after each of
 // its n issue sections except consumer 1 after its last (equal sync and arrive counts).
+// At a query tile's causal diagonal the last 64-key tile starts at q0 + 64, past consumer 0's
+// rows: all its scores are masked, so consumer 0 stops one tile early (nc = n - 1: it neither waits
+// for that tile nor releases it; nothing loads after it) and takes that step's turn as an empty
+// issue section. Its dQ loses only adds of zero products, which change no value.
+// The wgmmas of consumer 1 then run alone (~4 % of the kernel's MMA work on a GRPO group of
+// 1024-token responses; docs/PERF.md, twenty-ninth session).
 // csrc/ws_pipeline_model.py (run_dq) replays this protocol under random interleavings.
 
 #include <cuda.h>
@@ -130,6 +136,10 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   const float sl2 = a.scale_log2;
   const int my_bar = kSchedBar + cw, other_bar = kSchedBar + (cw ^ 1);
 
+  // consumer 0's last tile, when every key of it lies past its rows (see the top)
+  const bool skip_last = a.skip_masked_last && cw == 0 && n >= 2 && n - 1 >= tile.n_par && tile.kv_start(n - 1) >= tile.q0 + 64;
+  const int nc = skip_last ? n - 1 : n;  // tiles this consumer walks
+
   float lse2[2], dlt[2];
   load_row_lse_delta(lse2, dlt, a.lse, a.delta, h, a.T, row_a, tile.q1);
   float dq[D / 2];
@@ -160,7 +170,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   ds_step(0);
 
   // steady state: S_t, dP_t and dQ += dS_{t-1} K_{t-1} in flight together; dS_t under the dQ MMA
-  for (int t = 1; t < n; ++t) {
+  for (int t = 1; t < nc; ++t) {
     const int st = Ring::stage(t), sp = Ring::stage(t - 1);
     wg_wait<0>();  // dQ += dS_{t-2} K_{t-2} complete (nothing pending when t = 1)
     reg_fence(dq);
@@ -186,14 +196,19 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     ds_step(t);
   }
 
+  if (skip_last) {  // the skipped tile's turn, so that consumer 1 takes its last one
+    named_sync(my_bar, 256);
+    named_arrive(other_bar, 256);
+  }
+
   // the last dQ product
   {
     wg_wait<0>();
     reg_fence(dq);
     reg_fence_u(da);
-    if (lane == 0 && n >= 2) mbar_arrive(ring.k_empty(Ring::stage(n - 2)));
+    if (lane == 0 && nc >= 2) mbar_arrive(ring.k_empty(Ring::stage(nc - 2)));
     pack_frags<T, kBK>(da, s);
-    const int sl = Ring::stage(n - 1);
+    const int sl = Ring::stage(nc - 1);
     reg_fence(dq);
     reg_fence_u(da);
     wg_fence();
@@ -254,6 +269,8 @@ static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t
 }  // namespace dqws
 
 int dq_kernel_from_env() { return env_choice("MEGATRON_DUALKV_DQ_KERNEL", {{"ws", 1}, {"sm90", 0}}); }
+
+int dq_skip_from_env() { return env_choice("MEGATRON_DUALKV_DQ_SKIP", {{"1", 1}, {"0", 0}}); }
 
 int dq_side_stream_from_env() {
   return env_choice("MEGATRON_DUALKV_DQ_STREAM", {{"auto", 2}, {"1", 1}, {"0", 0}, {"pdl", 3}});

@@ -47,6 +47,9 @@ struct DqArgs : BwdInputs {
   // ws dQ kernel launched as a programmatic dependent of the dK/dV kernel: a zeroed int; the CTA
   // that takes the last ticket waits for the dK/dV grid, so the dQ grid never completes first
   int* pdl_ticket = nullptr;
+  // ws dQ kernel: consumer 0 skips a last key tile whose keys all lie past its rows
+  // (MEGATRON_DUALKV_DQ_SKIP, dq_skip_from_env; an A/B switch)
+  int skip_masked_last = 1;
   int num_items;
   int T, hq, hkv;
   float scale, scale_log2;
@@ -96,6 +99,8 @@ cudaError_t launch_dq_sm90(const DqArgs& qa, int dtype, int d, cudaStream_t stre
 // Key rows per step of that dQ kernel, from MEGATRON_DUALKV_DQ_KTILE (read at every launch): 128
 // (unset or empty too), 64, or -1 for any other value (the launch then returns cudaErrorInvalidValue)
 int dq_key_tile_from_env();
+// MEGATRON_DUALKV_DQ_SKIP (read at every launch): 1 (unset or empty too), 0, -1 for any other value
+int dq_skip_from_env();
 // The deterministic dQ kernel, warp-specialized (csrc/dualkv_dq_ws_sm90.cu): same items, math and
 // accumulation order as launch_dq_sm90's (bitwise the same dQ); q, dout, k, v 16-byte aligned (TMA).
 // Returns cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.

@@ -461,17 +461,23 @@ def run_persistent(n, seed, mutation=None):
 DQ_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make run_dq fail)
     "k_release_after_s": "K_t released after S_t (as the forward does) although dQ reads it one step later",
     "k_release_at_issue": "K_{t-1} released as its dQ group is issued, not when it completed",
+    "skip_without_turn": "consumer 0 skips its masked last tile without taking that step's turn",
 }
 
 
-def run_dq(n, seed, stages=4, mutation=None):
+def run_dq(n, seed, stages=4, mutation=None, skip0=False):
     """The ws dQ kernel (csrc/dualkv_dq_ws_sm90.cu): the forward's ring and turns (KvRing), with
     S_t and dP_t (K_t and V_t) in a consumer's first group of step t and dQ += dS_{t-1} K_{t-1} in
     its second; V_t is released when the first group completed, K_t when its dQ group did (top of
-    step t + 2, or after the loop). No deadlock, and KvRing's checks."""
+    step t + 2, or after the loop). skip0 (n >= 2): consumer 0 walks n - 1 tiles (its rows end
+    before the last tile's keys at a causal diagonal) and takes the last step's turn as an empty
+    issue section. No deadlock, and KvRing's checks."""
     assert mutation is None or mutation in DQ_MUTATIONS
+    skip0 = (skip0 or mutation == "skip_without_turn") and n >= 2
 
     def consumer(r, w):
+        skip = skip0 and w == 0
+        nc = n - 1 if skip else n
         while not r.q_full.done(0): yield
         if w == 1: r.narrive(1)
         yield from r.full(r.kf, 0); yield from r.full(r.vf, 0)
@@ -482,7 +488,7 @@ def run_dq(n, seed, stages=4, mutation=None):
         r.release("V", 0)
         if mutation == "k_release_after_s": r.release("K", 0)
         late_k = mutation is None  # K released when its dQ group completed (the kernel)
-        for t in range(1, n):
+        for t in range(1, nc):
             yield from r.wait_groups(w, 0)
             if t >= 2 and late_k: r.release("K", t - 2)
             yield from r.full(r.kf, t); yield from r.full(r.vf, t)
@@ -493,12 +499,15 @@ def run_dq(n, seed, stages=4, mutation=None):
             yield from r.wait_groups(w, 1)
             r.release("V", t)
             if mutation == "k_release_after_s": r.release("K", t)
+        if skip and mutation != "skip_without_turn":
+            yield from r.nsync(w)
+            r.narrive(w)
         yield from r.wait_groups(w, 0)
-        if n >= 2 and late_k: r.release("K", n - 2)
-        r.group(w, [("K", n - 1)])
-        if mutation == "k_release_at_issue": r.release("K", n - 1)
+        if nc >= 2 and late_k: r.release("K", nc - 2)
+        r.group(w, [("K", nc - 1)])
+        if mutation == "k_release_at_issue": r.release("K", nc - 1)
         yield from r.wait_groups(w, 0)
-        if late_k: r.release("K", n - 1)
+        if late_k: r.release("K", nc - 1)
 
     return KvRing(n, stages).run(consumer, seed)
 
@@ -627,6 +636,7 @@ if __name__ == "__main__":
                         run_bwd(n, seed, tma_dq=True, turns=turns, wide=True, tail=True)
             run_persistent(n, seed)
             run_dq(n, seed)
+            run_dq(n, seed, skip0=True)
             run_det_overlap(n, seed)
     check_bwd_mutations()
     check_mutations(run_persistent, FWD_MUTATIONS)

@@ -349,6 +349,17 @@ def test_wsbwd_dq_kernels_give_the_same_bits(case, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_wsbwd_dq_kernel_skips_masked_last_tiles(case, monkeypatch):
+    """The ws dQ kernel's consumer 0 stops one 64-key tile early where every key of a query tile's
+    last tile lies past its 64 rows (causal diagonals); with MEGATRON_DUALKV_DQ_SKIP=0 it walks that
+    tile (adding zero products): bitwise equal dq. Every case has query tiles of more than 64 rows
+    at a diagonal (so the skip runs) and shorter ones."""
+    runs = deterministic_runs(case, 13, [{"MEGATRON_DUALKV_DQ_SKIP": "0"}], monkeypatch)
+    assert_same_bits(runs, ["dq", "dk", "dv"], "with the masked last tiles walked")
+
+
+@gpu
 def test_wsbwd_dq_side_stream(monkeypatch):
     """The deterministic mode's dQ kernel on a second stream beside the dK/dV kernel
     (MEGATRON_DUALKV_DQ_STREAM=1) or after it on one stream (MEGATRON_DUALKV_DQ_STREAM=0), and the
@@ -372,10 +383,11 @@ def test_wsbwd_deterministic_overlap(case, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("var, bad", [("MEGATRON_DUALKV_DQ_KERNEL", "fast"), ("MEGATRON_DUALKV_DQ_STREAM", "yes"),
-                                      ("MEGATRON_DUALKV_DET_OVERLAP", "on")])
+                                      ("MEGATRON_DUALKV_DET_OVERLAP", "on"), ("MEGATRON_DUALKV_DQ_SKIP", "yes")])
 def test_wsbwd_deterministic_names_a_bad_switch(var, bad, monkeypatch):
     """A deterministic ws backward switch set to a value it does not take is an error naming the
-    variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0, 1 or pdl; DET_OVERLAP: 0 or 1)."""
+    variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0, 1 or pdl; DET_OVERLAP and
+    DQ_SKIP: 0 or 1)."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=6)
     monkeypatch.setenv(var, bad)
