@@ -255,6 +255,21 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // !kDQ (the deterministic mode's dK/dV): always list order, so the sums' order never varies
   const int phase_slot = kDQ && w[7] < 0 ? -1 - w[7] : -1;
   const int n_iter = per_head * group;
+  // The overlapped deterministic walk on a reversed (split) list: a key tile whose first range is
+  // its own causal rows from k0 on starts each head's walk (reversed: ends it) with rows
+  // k0..k0 + 63, which lie before all of consumer 1's keys (k0 + 64 on): every score of that step
+  // is masked for it. Those `group` diagonal steps are walked last, after every head's other
+  // steps, and consumer 1 stops before them (it only releases their stages and takes their turns
+  // empty): no branch around a wgmma issue, which made ptxas fence every register-operand wgmma
+  // and cost the kernel 24-37 % (docs/PERF.md, twenty-ninth session §4). Only the sums' order
+  // changes: still a fixed order (deterministic). MEGATRON_DUALKV_DET_SKIP=0 keeps the reversed walk.
+  bool diag_last = false;
+  if constexpr (kOverlap) {
+    if (a.skip_masked_steps && a.reverse_rows && tail == 0 && k1 - k0 > 64 && rhi > rlo) {
+      const int4 g0 = __ldg(reinterpret_cast<const int4*>(a.ranges) + rlo);
+      diag_last = g0.w != 0 && g0.x == k0;
+    }
+  }
 
   // query tile i of a head: packed rows q0..qend (QT at most used), held from local row ql. Only
   // the producer walks the ranges; it hands each step's (q0, qend, ql, causal) to the consumers in
@@ -363,16 +378,23 @@ __global__ void __launch_bounds__(kThreadsB, 1)
           n_kid += (g.y - g.x + QT - 1) / QT;
         }
       int kid_base = 0;
+      // diag_last: the first group * (per_head - 1) steps are the heads' walks without their
+      // diagonal step (query tile 0), then the group diagonal steps, head by head
+      const int per_lead = diag_last ? per_head - 1 : per_head, lead = group * per_lead;
       for (int i = 0; i < n_iter; ++i) {
         const int st = stage(i);
         if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
-        const int h = hk * group + i / per_head;
-        int j = i % per_head;
-        // Reversed (a split list, never phase-aligned): the CTAs of one response's rows (the prompt's
-        // parts over them, its own key tiles, each starting at a different row) all start at its
-        // last query tile and walk down together, so they read and reduce the same rows in L2
-        // while the others still need them (cuda_backend's split lists; csrc/ws_l2_model.py)
-        if (a.reverse_rows) j = per_head - 1 - j;
+        int hj = i - lead, j = 0;
+        if (i < lead) {
+          hj = i / per_lead;
+          j = i % per_lead;
+          // Reversed (a split list, never phase-aligned): the CTAs of one response's rows (the prompt's
+          // parts over them, its own key tiles, each starting at a different row) all start at its
+          // last query tile and walk down together, so they read and reduce the same rows in L2
+          // while the others still need them (cuda_backend's split lists; csrc/ws_l2_model.py)
+          if (a.reverse_rows) j = per_head - 1 - j;
+        }
+        const int h = hk * group + hj;
         if (n_kid > 0 && j < n_kid) {
           if (j == 0) {
             int at = 0;
@@ -725,55 +747,71 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       reg_fence_u(pa);
       reg_fence_u(da);
     };
-    if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
-    mbar_wait(q_full(0), 0);
-    turn_take();
-    wg_fence();
-    issue_s(0);
-    issue_dp(0);
-    wg_commit();
-    turn_pass(false);
-    wg_wait<0>();
-    reg_fence(s);
-    reg_fence(dp);
-    probs_p(0);
-    probs_ds(0);
-    for (int it = 1; it < n_iter; ++it) {
-      pack_frags<T, QT>(pa, s, da, dp);  // step it - 1
-      mbar_wait(q_full(stage(it)), parity(it));
+    // the walk over steps 0 .. n - 1 (n = n_iter, or consumer 1's steps before the diagonal ones)
+    auto walk = [&](const int n) {
+      mbar_wait(q_full(0), 0);
       turn_take();
-      fence_b();
       wg_fence();
-      issue_s(it);
-      wg_commit();
-      issue_b(it - 1);
+      issue_s(0);
+      issue_dp(0);
       wg_commit();
       turn_pass(false);
-      wg_wait<1>();  // S^T_it complete, B_{it-1} running
+      wg_wait<0>();
       reg_fence(s);
-      probs_p(it);
+      reg_fence(dp);
+      probs_p(0);
+      probs_ds(0);
+      for (int it = 1; it < n; ++it) {
+        pack_frags<T, QT>(pa, s, da, dp);  // step it - 1
+        mbar_wait(q_full(stage(it)), parity(it));
+        turn_take();
+        fence_b();
+        wg_fence();
+        issue_s(it);
+        wg_commit();
+        issue_b(it - 1);
+        wg_commit();
+        turn_pass(false);
+        wg_wait<1>();  // S^T_it complete, B_{it-1} running
+        reg_fence(s);
+        probs_p(it);
+        wg_wait<0>();
+        fence_b();
+        if (lane == 0) mbar_arrive(empty(stage(it - 1)));
+        turn_take();
+        wg_fence();
+        issue_dp(it);
+        wg_commit();
+        turn_pass(false);
+        wg_wait<0>();
+        reg_fence(dp);
+        probs_ds(it);
+      }
+      pack_frags<T, QT>(pa, s, da, dp);
+      turn_take();
+      fence_b();
+      wg_fence();
+      issue_b(n - 1);
+      wg_commit();
+      turn_pass(n == n_iter);
       wg_wait<0>();
       fence_b();
-      if (lane == 0) mbar_arrive(empty(stage(it - 1)));
+      if (lane == 0) mbar_arrive(empty(stage(n - 1)));
+    };
+    // consumer 1 of a diag_last walk stops before the diagonal steps (see diag_last)
+    const int n_run = diag_last && cw == 1 ? n_iter - group : n_iter;
+    if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
+    if (n_run > 0) walk(n_run);
+    for (int it = n_run; it < n_iter; ++it) {
+      // a skipped step: its stage released once it holds the step (so that this arrival belongs to
+      // the step's phase; the turns alone keep it behind too), both its turns taken empty
+      mbar_wait(q_full(stage(it)), parity(it));
+      if (lane == 0) mbar_arrive(empty(stage(it)));
       turn_take();
-      wg_fence();
-      issue_dp(it);
-      wg_commit();
       turn_pass(false);
-      wg_wait<0>();
-      reg_fence(dp);
-      probs_ds(it);
+      turn_take();
+      turn_pass(it + 1 == n_iter);
     }
-    pack_frags<T, QT>(pa, s, da, dp);
-    turn_take();
-    fence_b();
-    wg_fence();
-    issue_b(n_iter - 1);
-    wg_commit();
-    turn_pass(true);
-    wg_wait<0>();
-    fence_b();
-    if (lane == 0) mbar_arrive(empty(stage(n_iter - 1)));
   };
 
   mbar_wait(kv_full, 0);
@@ -886,6 +924,8 @@ static bool make_dq_map(CUtensorMap* map, float* dq_acc, int d, int hq, int Tq, 
 }  // namespace sm90ws
 
 int det_overlap_from_env() { return env_choice("MEGATRON_DUALKV_DET_OVERLAP", {{"1", 1}, {"0", 0}}); }
+
+int det_skip_from_env() { return env_choice("MEGATRON_DUALKV_DET_SKIP", {{"1", 1}, {"0", 0}}); }
 
 namespace sm90ws {
 

@@ -100,6 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     check_env_choice(mdkv::dq_side_stream_from_env(), "MEGATRON_DUALKV_DQ_STREAM", "'auto', '0', '1' or 'pdl'");
     check_env_choice(mdkv::det_overlap_from_env(), "MEGATRON_DUALKV_DET_OVERLAP", "'0' or '1'");
     check_env_choice(mdkv::dq_skip_from_env(), "MEGATRON_DUALKV_DQ_SKIP", "'0' or '1'");
+    check_env_choice(mdkv::det_skip_from_env(), "MEGATRON_DUALKV_DET_SKIP", "'0' or '1'");
     if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
   }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(in.dout.data_ptr()) % 16 == 0,
@@ -122,6 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   if (acc.defined()) ka.phase = reinterpret_cast<int*>(acc.data_ptr<float>() + q.numel());
   // a split list is grouped by response (cuda_backend.split_by_rows) and has no phase-aligned walk
   ka.reverse_rows = split_slots > 0 && mdkv::ws_reverse_rows_from_env() == 1;
+  ka.skip_masked_steps = deterministic && mdkv::det_skip_from_env() == 1;
   // dK/dV of the key tiles split by query rows and of the prompt tails, and their tickets: fast
   // mode, one slot of sums per split tile or tail (zeroed: parts add into it); deterministic, one
   // slot per part, a prompt tail's t-row parts packed 128 // t to a slot (each part stores its rows

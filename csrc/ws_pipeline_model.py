@@ -516,17 +516,23 @@ DET_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make 
     "release_before_b": "stage i - 1 released before dV, dK of step i - 1 completed",
     "release_current": "stage i released (instead of i - 1) after B_{i-1}",
     "no_dp_take": "dP^T_i issued without taking the turn, the turn still passed on",
+    "skip_one_turn": "consumer 1 takes one empty turn per skipped step instead of two",
 }
 
 
-def run_det_overlap(n, seed, mutation=None):
+def run_det_overlap(n, seed, mutation=None, skip1=0):
     """The deterministic dK/dV kernel's overlapped walk (csrc/dualkv_bwd_ws_sm90.cu, kOverlap,
     kDQ = false): a Q/dO ring of S stages with tile descriptors in a ring of 8; per consumer the
     sections A_0 = (S^T_0, dP^T_0); then per step i: (S^T_i) and (dV, dK of i - 1) as two groups
     in one section, P^T_i after the first completes, stage i - 1 released when the second did,
-    then a section with dP^T_i; finally (dV, dK of n - 1). Checked: every MMA and descriptor read
-    sees step i's data, no TMA lands in a stage still read, turns balanced, no deadlock."""
+    then a section with dP^T_i; finally (dV, dK of n - 1). skip1: consumer 1 walks only the first
+    n - skip1 steps (the diagonal steps it masks entirely, ordered last), then per skipped step
+    waits for its stage to load, releases it and takes its two turns empty. Checked: every MMA and
+    descriptor read sees step i's data, no TMA lands in a stage still read, one mbarrier phase never
+    mixes two steps' releases, turns balanced, no deadlock."""
     assert mutation is None or mutation in DET_MUTATIONS
+    if mutation == "skip_one_turn":
+        skip1 = max(skip1, min(n, 4))
     rnd = random.Random(seed)
     ring = 8
     kv_full = MBar(1)
@@ -575,9 +581,28 @@ def run_det_overlap(n, seed, mutation=None):
     def full(i):
         while not qf[i % S].done((i // S) & 1): yield
 
+    released = [set() for _ in range(S)]
+
+    def release(i):
+        st = i % S
+        released[st].add((em[st].phase, i))
+        assert len({j for ph, j in released[st] if ph == em[st].phase}) == 1, "one empty phase mixes steps"
+        em[st].arrive()
+
     def consumer(w):
         while not kv_full.done(0): yield
         if w == 1: turn[0].arrive(1)
+        m = n - skip1 if w == 1 else n  # steps this consumer walks
+        if m > 0:
+            yield from walk(w, m)
+        for i in range(m, n):  # skipped: the stage released once loaded, both turns taken empty
+            yield from full(i)  # (the turns alone keep it behind; without them it is needed)
+            release(i)
+            yield from take(w); give(w)
+            if mutation != "skip_one_turn":
+                yield from take(w); give(w, last=i == n - 1)
+
+    def walk(w, n):
         yield from full(0)
         yield from take(w); group(w, [0]); give(w)
         yield from wait_groups(w, 0)
@@ -589,18 +614,19 @@ def run_det_overlap(n, seed, mutation=None):
             give(w)
             yield from wait_groups(w, 1)
             probs(w, i)
-            if mutation == "release_before_b": em[(i - 1) % S].arrive()
+            if mutation == "release_before_b": release(i - 1)
             yield from wait_groups(w, 0)
-            if mutation in (None, "no_dp_take"): em[(i - 1) % S].arrive()
-            if mutation == "release_current": em[i % S].arrive()
+            if mutation in (None, "no_dp_take", "skip_one_turn"): release(i - 1)
+            if mutation == "release_current": release(i)
             if mutation != "no_dp_take": yield from take(w)
             group(w, [i])
             give(w)
             yield from wait_groups(w, 0)
-        yield from take(w); group(w, [n - 1]); give(w, last=True)
+        yield from take(w); group(w, [n - 1]); give(w, last=n == total)
         yield from wait_groups(w, 0)
-        em[(n - 1) % S].arrive()
+        release(n - 1)
 
+    total = n
     steps = _groups_run({"P": producer(), "C0": consumer(0), "C1": consumer(1)}, tma, mma, readers, land, rnd)
     for t in turn:
         assert not t.arrived, f"named barrier left with arrivals {t.arrived}"
@@ -638,6 +664,8 @@ if __name__ == "__main__":
             run_dq(n, seed)
             run_dq(n, seed, skip0=True)
             run_det_overlap(n, seed)
+            for skip1 in range(1, min(n, 8) + 1):
+                run_det_overlap(n, seed, skip1=skip1)
     check_bwd_mutations()
     check_mutations(run_persistent, FWD_MUTATIONS)
     check_mutations(run_dq, DQ_MUTATIONS)

@@ -44,6 +44,8 @@ def test_dq_kernel_protocol(n, stages):
 def test_deterministic_overlapped_walk_protocol(n):
     for seed in SEEDS:
         model.run_det_overlap(n, seed)
+        for skip1 in range(1, min(n, 8) + 1):  # consumer 1 stopping before the diagonal steps (group <= 8)
+            model.run_det_overlap(n, seed, skip1=skip1)
 
 
 @pytest.mark.parametrize("run_fn, mutations", [

@@ -360,6 +360,32 @@ def test_wsbwd_dq_kernel_skips_masked_last_tiles(case, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_wsbwd_deterministic_diagonal_steps_last(case, monkeypatch):
+    """On a reversed (split) walk the deterministic dK/dV kernel walks a key tile's diagonal steps
+    (rows k0 .. k0 + 63, every score masked for its second consumer's keys) after every head's
+    other steps, and that consumer stops before them. Against MEGATRON_DUALKV_DET_SKIP=0 (the
+    plain reversed walk): only the order of dK/dV's sums differs, so dk, dv within fp32-sum
+    rounding and no worse against float64, dq bitwise (the dQ kernel's), two runs bitwise equal.
+    Cases 1, 3, 4 split (their lists are reversed), 0 and 2 do not (bitwise unchanged there)."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=7 + case + random.randrange(1 << 20))
+    scale = 1.0 / math.sqrt(d)
+    last = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    again = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    assert_same_bits([last, again], ["dq", "dk", "dv"], "between two deterministic runs")
+    monkeypatch.setenv("MEGATRON_DUALKV_DET_SKIP", "0")
+    plain = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    assert torch.equal(last[2], plain[2]), "dq changed with the dK/dV walk's order"
+    split = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=True)).ws_slots[0] > 0
+    if split:
+        assert_close_no_worse(last, plain, exact(q, k, v, dout, seg, scale), ["dk", "dv"], "vs the plain walk")
+    else:
+        assert_same_bits([last, plain], ["dk", "dv"], "without a split (no reversed walk)")
+
+
+@gpu
 def test_wsbwd_dq_side_stream(monkeypatch):
     """The deterministic mode's dQ kernel on a second stream beside the dK/dV kernel
     (MEGATRON_DUALKV_DQ_STREAM=1) or after it on one stream (MEGATRON_DUALKV_DQ_STREAM=0), and the
@@ -383,11 +409,12 @@ def test_wsbwd_deterministic_overlap(case, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("var, bad", [("MEGATRON_DUALKV_DQ_KERNEL", "fast"), ("MEGATRON_DUALKV_DQ_STREAM", "yes"),
-                                      ("MEGATRON_DUALKV_DET_OVERLAP", "on"), ("MEGATRON_DUALKV_DQ_SKIP", "yes")])
+                                      ("MEGATRON_DUALKV_DET_OVERLAP", "on"), ("MEGATRON_DUALKV_DQ_SKIP", "yes"),
+                                      ("MEGATRON_DUALKV_DET_SKIP", "no")])
 def test_wsbwd_deterministic_names_a_bad_switch(var, bad, monkeypatch):
     """A deterministic ws backward switch set to a value it does not take is an error naming the
-    variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0, 1 or pdl; DET_OVERLAP and
-    DQ_SKIP: 0 or 1)."""
+    variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0, 1 or pdl; DET_OVERLAP,
+    DQ_SKIP and DET_SKIP: 0 or 1)."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=6)
     monkeypatch.setenv(var, bad)
