@@ -719,7 +719,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // (128) + P^T, dS^T packed (32) + S^T, dP^T (64) live: ptxas spilled 88 bytes and serialized
   // the wgmmas at head dim 128 (C7512). Here 192 at most. Stage i - 1 is released once B_{i-1}
   // completed. Sections: A_0, then per step S_i + B_{i-1} and dP_i, then B_{n-1}: 2n per
-  // consumer, consumer 1's last passing nothing on. csrc/ws_pipeline_model.py (run_det_overlap)
+  // consumer (consumer 1 stopping before diag_last's steps takes their two sections empty),
+  // consumer 1's last passing nothing on. csrc/ws_pipeline_model.py (run_det_overlap)
   // replays this protocol.
   auto overlapped_walk = [&]() {
     float s[QT / 2], dp[QT / 2];
