@@ -602,12 +602,12 @@ def run_det_overlap(n, seed, mutation=None, skip1=0):
             if mutation != "skip_one_turn":
                 yield from take(w); give(w, last=i == n - 1)
 
-    def walk(w, n):
+    def walk(w, m):  # steps 0 .. m - 1
         yield from full(0)
         yield from take(w); group(w, [0]); give(w)
         yield from wait_groups(w, 0)
         probs(w, 0)
-        for i in range(1, n):
+        for i in range(1, m):
             yield from full(i)
             yield from take(w)
             group(w, [i]); group(w, [i - 1])
@@ -622,11 +622,10 @@ def run_det_overlap(n, seed, mutation=None, skip1=0):
             group(w, [i])
             give(w)
             yield from wait_groups(w, 0)
-        yield from take(w); group(w, [n - 1]); give(w, last=n == total)
+        yield from take(w); group(w, [m - 1]); give(w, last=m == n)
         yield from wait_groups(w, 0)
-        release(n - 1)
+        release(m - 1)
 
-    total = n
     steps = _groups_run({"P": producer(), "C0": consumer(0), "C1": consumer(1)}, tma, mma, readers, land, rnd)
     for t in turn:
         assert not t.arrived, f"named barrier left with arrivals {t.arrived}"

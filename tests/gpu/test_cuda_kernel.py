@@ -328,6 +328,17 @@ def assert_close_no_worse(got, ref, ex, names, against, finite=False):
         assert rel(got[i], ex[i]) <= rel(ref[i], ex[i]) * SLACK + 1e-7, f"{name} error vs float64"
 
 
+def ws_runs_default_and_with(var, value, q, k, v, dout, seg, scale, deterministic, monkeypatch):
+    """(default run, run with `var`=`value`) of the ws forward and backward on the same inputs; a
+    deterministic default run is first checked bitwise equal to a second one."""
+    base = run_kernel(q, k, v, dout, seg, scale, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    if deterministic:
+        again = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+        assert_same_bits([base, again], ["dq", "dk", "dv"], "between two deterministic runs")
+    monkeypatch.setenv(var, value)
+    return base, run_kernel(q, k, v, dout, seg, scale, deterministic=deterministic, impl="ws", bwd_impl="ws")
+
+
 @gpu
 @pytest.mark.parametrize("case", [0, 2])
 def test_dq_kernel_key_tiles_give_the_same_bits(case, monkeypatch):
@@ -372,11 +383,8 @@ def test_wsbwd_deterministic_diagonal_steps_last(case, monkeypatch):
     seg = make_segments(groups, pad)
     q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=7 + case + random.randrange(1 << 20))
     scale = 1.0 / math.sqrt(d)
-    last = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
-    again = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
-    assert_same_bits([last, again], ["dq", "dk", "dv"], "between two deterministic runs")
-    monkeypatch.setenv("MEGATRON_DUALKV_DET_SKIP", "0")
-    plain = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
+    last, plain = ws_runs_default_and_with("MEGATRON_DUALKV_DET_SKIP", "0", q, k, v, dout, seg, scale, True,
+                                           monkeypatch)
     assert torch.equal(last[2], plain[2]), "dq changed with the dK/dV walk's order"
     split = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=True)).ws_slots[0] > 0
     if split:
@@ -598,12 +606,8 @@ def test_wsbwd_prompt_tails_merged(d, deterministic, monkeypatch):
     work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=per_part))
     # per_part: each part's t rows, 128 // t parts to a slot: tails of 6, 5, 104 and 2 keys
     assert work.ws_slots[1] == (1 + 1 + 4 + 1 if per_part else 4), work.ws_slots
-    merged = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
-    if deterministic:
-        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
-        assert_same_bits([merged, again], ["dq", "dk", "dv"], "between two deterministic runs")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_TAIL", "tile")
-    tiles = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    merged, tiles = ws_runs_default_and_with("MEGATRON_DUALKV_WS_TAIL", "tile", q, k, v, dout, seg, 0.1,
+                                             deterministic, monkeypatch)
     assert_close_no_worse(merged, tiles, exact(q, k, v, dout, seg, 0.1), ["dq", "dk", "dv"], "vs the tail tiles",
                           finite=True)
     if per_part:
@@ -621,12 +625,8 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
     work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=deterministic))
     assert work.ws_slots[0] > 0, "the layout splits no key tile"
-    rev = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
-    if deterministic:
-        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
-        assert_same_bits([rev, again], ["dq", "dk", "dv"], "between two deterministic runs")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_REVERSE_ROWS", "0")
-    listed = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    rev, listed = ws_runs_default_and_with("MEGATRON_DUALKV_WS_REVERSE_ROWS", "0", q, k, v, dout, seg, 0.1,
+                                           deterministic, monkeypatch)
     assert_close_no_worse(rev, listed, exact(q, k, v, dout, seg, 0.1), ["dq", "dk", "dv"], "vs list order",
                           finite=True)
 
