@@ -255,17 +255,18 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // !kDQ (the deterministic mode's dK/dV): always list order, so the sums' order never varies
   const int phase_slot = kDQ && w[7] < 0 ? -1 - w[7] : -1;
   const int n_iter = per_head * group;
-  // The overlapped deterministic walk on a reversed (split) list: a key tile whose first range is
-  // its own causal rows from k0 on starts each head's walk (reversed: ends it) with rows
-  // k0..k0 + 63, which lie before all of consumer 1's keys (k0 + 64 on): every score of that step
-  // is masked for it. Those `group` diagonal steps are walked last, after every head's other
+  // The overlapped deterministic walk: a key tile whose first range is its own causal rows from
+  // k0 on starts each head's walk (reversed, on a split list: ends it) with rows k0..k0 + 63,
+  // which lie before all of consumer 1's keys (k0 + 64 on): every score of that step is masked
+  // for it. Those `group` diagonal steps are walked last, after every head's other
   // steps, and consumer 1 stops before them (it only releases their stages and takes their turns
   // empty): no branch around a wgmma issue, which made ptxas fence every register-operand wgmma
   // and cost the kernel 24-37 % (docs/PERF.md, twenty-ninth session §4). Only the sums' order
-  // changes: still a fixed order (deterministic). MEGATRON_DUALKV_DET_SKIP=0 keeps the reversed walk.
+  // changes: still a fixed order (deterministic), no longer the sm90 kernel's (list order).
+  // MEGATRON_DUALKV_DET_SKIP=0 keeps the plain walk.
   bool diag_last = false;
   if constexpr (kOverlap) {
-    if (a.skip_masked_steps && a.reverse_rows && tail == 0 && k1 - k0 > 64 && rhi > rlo) {
+    if (a.skip_masked_steps && tail == 0 && k1 - k0 > 64 && rhi > rlo) {
       const int4 g0 = __ldg(reinterpret_cast<const int4*>(a.ranges) + rlo);
       diag_last = g0.w != 0 && g0.x == k0;
     }
@@ -387,12 +388,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         int hj = i - lead, j = 0;
         if (i < lead) {
           hj = i / per_lead;
-          j = i % per_lead;
+          j = i % per_lead + (diag_last && !a.reverse_rows ? 1 : 0);  // list order: 1 .. per_head - 1
           // Reversed (a split list, never phase-aligned): the CTAs of one response's rows (the prompt's
           // parts over them, its own key tiles, each starting at a different row) all start at its
           // last query tile and walk down together, so they read and reduce the same rows in L2
           // while the others still need them (cuda_backend's split lists; csrc/ws_l2_model.py)
-          if (a.reverse_rows) j = per_head - 1 - j;
+          if (a.reverse_rows) j = per_head - 1 - (i % per_lead);
         }
         const int h = hk * group + hj;
         if (n_kid > 0 && j < n_kid) {

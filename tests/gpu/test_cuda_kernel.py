@@ -373,12 +373,12 @@ def test_wsbwd_dq_kernel_skips_masked_last_tiles(case, monkeypatch):
 @gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_wsbwd_deterministic_diagonal_steps_last(case, monkeypatch):
-    """On a reversed (split) walk the deterministic dK/dV kernel walks a key tile's diagonal steps
-    (rows k0 .. k0 + 63, every score masked for its second consumer's keys) after every head's
-    other steps, and that consumer stops before them. Against MEGATRON_DUALKV_DET_SKIP=0 (the
-    plain reversed walk): only the order of dK/dV's sums differs, so dk, dv within fp32-sum
-    rounding and no worse against float64, dq bitwise (the dQ kernel's), two runs bitwise equal.
-    Cases 1, 3, 4 split (their lists are reversed), 0 and 2 do not (bitwise unchanged there)."""
+    """The deterministic dK/dV kernel walks a key tile's diagonal steps (rows k0 .. k0 + 63, every
+    score masked for its second consumer's keys) after every head's other steps, reversed (split)
+    walks and walks in list order alike, and that consumer stops before them. Against
+    MEGATRON_DUALKV_DET_SKIP=0 (the plain walk): only the order of dK/dV's sums differs, so dk, dv
+    within fp32-sum rounding and no worse against float64, dq bitwise (the dQ kernel's), two runs
+    bitwise equal. Cases 1, 3, 4 split (reversed walks), 0 and 2 do not."""
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=7 + case + random.randrange(1 << 20))
@@ -386,11 +386,7 @@ def test_wsbwd_deterministic_diagonal_steps_last(case, monkeypatch):
     last, plain = ws_runs_default_and_with("MEGATRON_DUALKV_DET_SKIP", "0", q, k, v, dout, seg, scale, True,
                                            monkeypatch)
     assert torch.equal(last[2], plain[2]), "dq changed with the dK/dV walk's order"
-    split = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=True)).ws_slots[0] > 0
-    if split:
-        assert_close_no_worse(last, plain, exact(q, k, v, dout, seg, scale), ["dk", "dv"], "vs the plain walk")
-    else:
-        assert_same_bits([last, plain], ["dk", "dv"], "without a split (no reversed walk)")
+    assert_close_no_worse(last, plain, exact(q, k, v, dout, seg, scale), ["dk", "dv"], "vs the plain walk")
 
 
 @gpu
@@ -409,8 +405,10 @@ def test_wsbwd_dq_side_stream(monkeypatch):
 def test_wsbwd_deterministic_overlap(case, monkeypatch):
     """The deterministic dK/dV kernel with the intra-warpgroup overlap (default; 64-row steps) and
     without it (MEGATRON_DUALKV_DET_OVERLAP=0; 80-row steps at head dim 128) add the same 16-row
-    MMA slices in the same order: bitwise equal dk, dv (and dq)."""
+    MMA slices in the same order (the overlapped walk's diagonal steps in their place:
+    MEGATRON_DUALKV_DET_SKIP=0): bitwise equal dk, dv (and dq)."""
     monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    monkeypatch.setenv("MEGATRON_DUALKV_DET_SKIP", "0")
     runs = deterministic_runs(case, 57, [{"MEGATRON_DUALKV_DET_OVERLAP": "0"}], monkeypatch)
     assert_same_bits(runs, ["dq", "dk", "dv"], "with the overlap")
 
@@ -435,9 +433,11 @@ def test_wsbwd_deterministic_names_a_bad_switch(var, bad, monkeypatch):
 def test_deterministic_wsbwd_equals_sm90(case, monkeypatch):
     """The ws backward's deterministic mode (dK/dV by the ws kernel in list order, without dQ; dQ
     by the ws dQ kernel) gives bitwise the sm90 deterministic backward's dq, dk, dv after the
-    same forward where no key tile is split (MEGATRON_DUALKV_WS_SPLIT=0): every key tile's dK/dV
-    add the same 16-row MMA slices in the same order."""
+    same forward where no key tile is split (MEGATRON_DUALKV_WS_SPLIT=0) and the diagonal steps
+    keep their place (MEGATRON_DUALKV_DET_SKIP=0): every key tile's dK/dV add the same 16-row MMA
+    slices in the same order."""
     monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    monkeypatch.setenv("MEGATRON_DUALKV_DET_SKIP", "0")
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=4321 + case + random.randrange(1 << 20))
