@@ -21,6 +21,10 @@ cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, 
 // The narrowest width of that tail, from MEGATRON_DUALKV_WS_FWD_TAIL_MIN (read at every launch): 16
 // (unset or empty too), 64, or -1 for any other value (the launch then returns cudaErrorInvalidValue)
 int ws_fwd_tail_min_from_env();
+// Whether consumer 0 runs a causal diagonal's key tile at 64 keys after its loop (128-key tiles),
+// from MEGATRON_DUALKV_WS_FWD_DIAG: 1 (unset or empty too), 0 (in the loop at full width: an A/B
+// switch), -1 for any other value (the launch then returns cudaErrorInvalidValue)
+int ws_fwd_diag_from_env();
 
 }  // namespace mdkv
 

@@ -196,7 +196,7 @@ struct FwdTile {
 template <typename T, int D, bool kPingPong, int kBK, bool kPersistent>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                  const __grid_constant__ CUtensorMap tm_v, FwdArgs a, int narrow_tail) {
+                  const __grid_constant__ CUtensorMap tm_v, FwdArgs a, int narrow_tail, int diag64_on) {
   using L = Smem<T, D, kBK>;
   constexpr int kStages = L::kStages;
   extern __shared__ unsigned char smem_raw[];
@@ -296,6 +296,15 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     const int n_main = ft.n_main, n_pfull = ft.n_pfull, tail_w = ft.tail_w, par1 = ft.par1;
     const int row_w0 = ft.q0 + cw * 64;
     const int row_a = row_w0 + warp * 16 + (lane >> 2);  // this thread's rows: row_a, row_a + 8
+    // Consumer 0 at a causal diagonal: with 128-key tiles a row's last own key tile starts at its
+    // query tile's first row, so its keys from row_w0 + 64 on are masked for all of consumer 0's
+    // rows. Consumer 0 leaves that tile out of its loop (taking the loop step's turn empty, so
+    // both consumers still pass the same number of turns) and runs it after the loop at 64 keys:
+    // half its S and P V MMAs, which consumer 1's turns get instead. A separate step after the
+    // loop, not a width chosen inside it (docs/PERF.md, nineteenth session: that serialized the
+    // wgmmas). MEGATRON_DUALKV_WS_FWD_DIAG=0: the full-width tile in the loop.
+    const bool diag64 = kBK == 128 && diag64_on && cw == 0 && n_main >= 2 && ft.kv_start(n_main - 1) >= row_w0;
+    const int n_loop = diag64 ? n_main - 1 : n_main;  // tiles of this consumer's loop
     auto stage = [&](int t) { return Ring::stage(g + t); };
     auto parity = [&](int t) { return Ring::parity(g + t); };
     // the loop's ring positions kept incrementally (stage and parity of tiles t and t - 1, stage of
@@ -319,7 +328,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
     // softmax: in one basic block ptxas hoists WARPGROUP.DEPBAR above the softmax (seen in the
     // SASS), which serializes them again; the loop back edge keeps it below.
-    for (int t = 1; t < n_main; ++t) {
+    for (int t = 1; t < n_loop; ++t) {
       const int st = st_c, sp = st_p;
       wg_wait<0>();  // O += P_{t-2} V_{t-2} complete (nothing pending when t = 1)
       reg_fence(o);
@@ -351,18 +360,22 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       }
     }
     if constexpr (kPersistent)
-      if (lane == 0 && tail_w == kBK) mbar_arrive(q_empty);  // the loop's last S was the tile's last
+      if (lane == 0 && tail_w == kBK && !diag64) mbar_arrive(q_empty);  // the loop's last S was the tile's last
+    if (kPingPong && diag64) {  // the diagonal tile's loop step: its turn, passed on at once
+      named_sync(my_bar, 256);
+      pass_turn();
+    }
 
     // the last two P V products
     {
       wg_wait<0>();
       reg_fence(o);
       reg_fence_u(pa);
-      if (lane == 0 && n_main >= 2) mbar_arrive(ring.v_empty(stage(n_main - 2)));
+      if (lane == 0 && n_loop >= 2) mbar_arrive(ring.v_empty(stage(n_loop - 2)));
       rescale<D>(o, alpha);
       pack_frags<T, kBK>(pa, s);
-      const int sl = stage(n_main - 1);
-      mbar_wait(ring.v_full(sl), parity(n_main - 1));
+      const int sl = stage(n_loop - 1);
+      mbar_wait(ring.v_full(sl), parity(n_loop - 1));
       reg_fence(o);
       reg_fence_u(pa);
       wg_fence();
@@ -373,12 +386,14 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       if (lane == 0) mbar_arrive(ring.v_empty(sl));
     }
 
-    // the parent's narrowed tail (tile n_main), without overlap: S, softmax, P V
-    auto narrow_tail_tile = [&](auto width) {
+    // Key tile t narrowed to its first W keys, without overlap: S, softmax, P V. The diagonal tile
+    // (t = n_main - 1, causal) and the parent's narrowed tail (t = n_main); last_s: the query
+    // tile's last S (its Q may be replaced)
+    auto narrow_tile = [&](auto width, const int t, const bool parent, const bool last_s) {
       constexpr int W = decltype(width)::value;
-      const int st = stage(n_main);
+      const int st = stage(t);
       float sn[W / 2];
-      mbar_wait(ring.k_full(st), parity(n_main));
+      mbar_wait(ring.k_full(st), parity(t));
       wg_fence();
       wgmma_rows_x_rows<T, D, kBQ, W, kBK>(sn, sQw, 0, sK + st * kBK * D);
       wg_commit();
@@ -386,14 +401,14 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       reg_fence(sn);
       if (lane == 0) {
         mbar_arrive(ring.k_empty(st));
-        if constexpr (kPersistent) mbar_arrive(q_empty);
+        if (kPersistent && last_s) mbar_arrive(q_empty);
       }
 #pragma unroll
       for (int i = 0; i < kBK / 2; ++i) s[i] = i < W / 2 ? sn[i] : -INFINITY;
-      softmax_step<kBK>(s, m, l, alpha, ft.kv_start(n_main), true, par1, row_a, row_w0, lane, sl2);
+      softmax_step<kBK>(s, m, l, alpha, ft.kv_start(t), parent, par1, row_a, row_w0, lane, sl2);
       rescale<D>(o, alpha);
       pack_frags<T, kBK>(pa, s);
-      mbar_wait(ring.v_full(st), parity(n_main));
+      mbar_wait(ring.v_full(st), parity(t));
       reg_fence(o);
       reg_fence_u(pa);
       wg_fence();
@@ -403,14 +418,15 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       reg_fence(o);
       if (lane == 0) mbar_arrive(ring.v_empty(st));
     };
+    if (diag64) narrow_tile(std::integral_constant<int, 64>(), n_main - 1, false, tail_w == kBK);
     if (kBK == 128 && tail_w == 16)
-      narrow_tail_tile(std::integral_constant<int, 16>());
+      narrow_tile(std::integral_constant<int, 16>(), n_main, true, true);
     else if (kBK == 128 && tail_w == 32)
-      narrow_tail_tile(std::integral_constant<int, 32>());
+      narrow_tile(std::integral_constant<int, 32>(), n_main, true, true);
     else if (tail_w == 64)
-      narrow_tail_tile(std::integral_constant<int, 64>());
+      narrow_tile(std::integral_constant<int, 64>(), n_main, true, true);
     else if (tail_w == 128 && kBK > 128)
-      narrow_tail_tile(std::integral_constant<int, 128>());
+      narrow_tile(std::integral_constant<int, 128>(), n_main, true, true);
 
     // out / lse hold the rows from qloc on (local queries): shift both so that packed row q0 lands there
     const long qs = (long)a.hq * D, shift = (long)ft.qloc - ft.q0;
@@ -477,7 +493,9 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, bool narro
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
   const int narrowest = ws_fwd_tail_min_from_env();
   if (narrowest < 0) return cudaErrorInvalidValue;  // the op names the variable first
-  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? narrowest : 0);
+  const int diag64 = ws_fwd_diag_from_env();
+  if (diag64 < 0) return cudaErrorInvalidValue;
+  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? narrowest : 0, diag64);
   return cudaGetLastError();
 }
 
@@ -488,6 +506,8 @@ int ws_fwd_tail_min_from_env() {
   // 64: at 64 at least, as before (an A/B switch)
   return env_choice("MEGATRON_DUALKV_WS_FWD_TAIL_MIN", {{"16", 16}, {"64", 64}});
 }
+
+int ws_fwd_diag_from_env() { return env_choice("MEGATRON_DUALKV_WS_FWD_DIAG", {{"1", 1}, {"0", 0}}); }
 
 cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, bool narrow_tail,
                                cudaStream_t stream) {

@@ -61,6 +61,7 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   check_ws_qkv(q, k, v);
   check_work(row_work, q, "row_work", 8);
   check_env_choice(mdkv::ws_fwd_tail_min_from_env(), "MEGATRON_DUALKV_WS_FWD_TAIL_MIN", "'16' or '64'");
+  check_env_choice(mdkv::ws_fwd_diag_from_env(), "MEGATRON_DUALKV_WS_FWD_DIAG", "'0' or '1'");
   TORCH_CHECK(kv_tile == 128 || (kv_tile == 176 && q.size(2) == 128),
               "megatron_dualkv: fwd_ws_sm90 takes key tiles of 128 keys, or 176 at head dim 128; got ", kv_tile,
               " at head dim ", q.size(2));

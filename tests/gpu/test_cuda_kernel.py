@@ -849,6 +849,34 @@ def test_ws_forward_persistent_is_one_tile_per_cta_bitwise(case, tile, monkeypat
 
 
 @gpu
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_ws_forward_diagonal_at_64_keys_is_bitwise(case, monkeypatch):
+    """Consumer 0 runs a causal diagonal's 128-key tile after its loop at 64 keys (the default; the
+    keys it leaves out are masked for all its rows) against that tile at full width in the loop
+    (MEGATRON_DUALKV_WS_FWD_DIAG=0): only zero products are dropped, so bitwise equal out and lse,
+    every element written (NaN-poisoned buffers), one CTA per query tile and persistent, the whole
+    batch and a context-parallel rank's local queries. Every case has response and prompt query
+    tiles of more than 64 rows at a diagonal (the step runs) and tiles of 64 rows or fewer."""
+    groups, pad, hq, hkv, d, dtype = CASES[case]
+    seg = make_segments(groups, pad)
+    q, k, v, _ = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=31 + case + random.randrange(1 << 20))
+    rows = cp_like_rows(seg.num_tokens, seed=case)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "128")
+    for persistent in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", persistent)
+        got = {}
+        for diag in ("1", "0"):
+            monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_DIAG", diag)
+            poison_allocator(4 * q.numel() * q.element_size() + (64 << 20))
+            got[diag] = (cuda_backend.forward(q, k, v, seg, 0.11, fwd_impl="ws"),
+                         cuda_backend.forward(q[rows].contiguous(), k, v, seg, 0.11, q_rows=rows))
+        for what, narrow, full in zip(("whole batch", "local queries"), got["1"], got["0"]):
+            for name, a, b in zip(("out", "lse"), narrow, full):
+                assert torch.isfinite(a).all(), f"{what}, persistent={persistent}: {name} has unwritten elements"
+                assert torch.equal(a, b), f"{what}, persistent={persistent}: {name} differs with the diagonal at 64 keys"
+
+
+@gpu
 def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
     seg = make_segments([(100, [30, 7])])
     q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
@@ -858,6 +886,10 @@ def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
     monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL")
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL_MIN", "8")
     with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_TAIL_MIN must be '16' or '64'"):
+        cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL_MIN")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_DIAG", "yes")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_DIAG must be '0' or '1'"):
         cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
 
 
