@@ -32,6 +32,8 @@
 // issue section. Its dQ loses only adds of zero products, which change no value.
 // The wgmmas of consumer 1 then run alone (~4 % of the kernel's MMA work on a GRPO group of
 // 1024-token responses; docs/PERF.md, twenty-ninth session).
+// A query tile of 64 rows or fewer leaves consumer 1 without rows: it issues nothing, and per key
+// tile waits for the loads, takes its turn empty and releases the stage.
 // csrc/ws_pipeline_model.py (run_dq) replays this protocol under random interleavings.
 
 #include <cuda.h>
@@ -151,8 +153,37 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   // dS_t in place of S_t
   auto ds_step = [&](int t) { scores_to_ds<kBK>(tile, t, s, dp, lse2, dlt, sl2, row_a, lane); };
 
+  // A programmatic dependent of the dK/dV kernel may finish before it; the stream's next work
+  // waits only for this grid, so the CTA that takes the last ticket waits for the dK/dV grid
+  // before it exits (the grid completes only when every CTA has exited).
+  auto wait_for_dkdv_if_last = [&]() {
+    if (a.pdl_ticket != nullptr) {
+      named_sync(kSchedBar + 2, 256);  // one ticket per CTA, taken once both consumers have stored
+      if (threadIdx.x == 128 && atomicAdd(a.pdl_ticket, 1) == (int)gridDim.x - 1)
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    }
+  };
+
   mbar_wait(ring.q_full(), 0);
   if (cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
+
+  // Consumer 1 without rows (a query tile of 64 rows or fewer: a segment's last) computes
+  // nothing: per key tile it waits for the loads, takes its turn empty and releases the stage, so
+  // consumer 0's MMAs have the tensor cores to themselves (MEGATRON_DUALKV_DQ_IDLE=0: it walks)
+  if (a.idle_empty_rows && cw == 1 && tile.q1 <= tile.q0 + 64) {
+    for (int t = 0; t < n; ++t) {
+      mbar_wait(ring.k_full(Ring::stage(t)), Ring::parity(t));
+      mbar_wait(ring.v_full(Ring::stage(t)), Ring::parity(t));
+      named_sync(my_bar, 256);
+      if (t + 1 < n) named_arrive(other_bar, 256);
+      if (lane == 0) {
+        mbar_arrive(ring.v_empty(Ring::stage(t)));
+        mbar_arrive(ring.k_empty(Ring::stage(t)));
+      }
+    }
+    wait_for_dkdv_if_last();
+    return;
+  }
 
   // tile 0: S and dP only
   mbar_wait(ring.k_full(0), 0);
@@ -226,14 +257,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     const int row = row_a + r * 8;
     store_frag_row_x4<T, D>(dqg, qs, row, lane, dq, r, a.scale, row < tile.q1);
   }
-  // A programmatic dependent of the dK/dV kernel may finish before it; the stream's next work
-  // waits only for this grid, so the CTA that takes the last ticket waits for the dK/dV grid
-  // before it exits (the grid completes only when every CTA has exited).
-  if (a.pdl_ticket != nullptr) {
-    named_sync(kSchedBar + 2, 256);  // one ticket per CTA, taken once both consumers have stored
-    if (threadIdx.x == 128 && atomicAdd(a.pdl_ticket, 1) == (int)gridDim.x - 1)
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  }
+  wait_for_dkdv_if_last();
 }
 
 template <typename T, int D>
@@ -271,6 +295,7 @@ static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t
 int dq_kernel_from_env() { return env_choice("MEGATRON_DUALKV_DQ_KERNEL", {{"ws", 1}, {"sm90", 0}}); }
 
 int dq_skip_from_env() { return env_choice("MEGATRON_DUALKV_DQ_SKIP", {{"1", 1}, {"0", 0}}); }
+int dq_idle_from_env() { return env_choice("MEGATRON_DUALKV_DQ_IDLE", {{"1", 1}, {"0", 0}}); }
 
 int dq_side_stream_from_env() {
   return env_choice("MEGATRON_DUALKV_DQ_STREAM", {{"auto", 2}, {"1", 1}, {"0", 0}, {"pdl", 3}});

@@ -25,6 +25,9 @@ int ws_fwd_tail_min_from_env();
 // from MEGATRON_DUALKV_WS_FWD_DIAG: 1 (unset or empty too), 0 (in the loop at full width: an A/B
 // switch), -1 for any other value (the launch then returns cudaErrorInvalidValue)
 int ws_fwd_diag_from_env();
+// Whether consumer 1 of a query tile of 64 rows or fewer (it has no rows) skips its MMAs, from
+// MEGATRON_DUALKV_WS_FWD_IDLE: 1 (unset or empty too), 0, -1 for any other value (as above)
+int ws_fwd_idle_from_env();
 
 }  // namespace mdkv
 

@@ -196,7 +196,8 @@ struct FwdTile {
 template <typename T, int D, bool kPingPong, int kBK, bool kPersistent>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     fwd_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                  const __grid_constant__ CUtensorMap tm_v, FwdArgs a, int narrow_tail, int diag64_on) {
+                  const __grid_constant__ CUtensorMap tm_v, FwdArgs a, int narrow_tail, int diag64_on,
+                  int idle_on) {
   using L = Smem<T, D, kBK>;
   constexpr int kStages = L::kStages;
   extern __shared__ unsigned char smem_raw[];
@@ -311,6 +312,28 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     // t - 2), so that the loop's code does not depend on g
     int st_c = stage(1), st_p = stage(0), st_pp = stage(0);
     uint32_t ph_c = parity(1), ph_p = parity(0);
+
+    // Consumer 1 without rows (a query tile of 64 rows or fewer: a segment's last) computes
+    // nothing: it takes its turns empty, so consumer 0's MMAs have the tensor cores to
+    // themselves, and releases each stage once loaded (waiting for the load keeps its arrivals in
+    // the stage's current phase). MEGATRON_DUALKV_WS_FWD_IDLE=0: it walks the tile as before.
+    if (idle_on && cw == 1 && ft.q1 <= row_w0) {
+      if constexpr (kPersistent)
+        if (lane == 0) mbar_arrive(q_empty);  // it never reads this Q
+      for (int t = 0; t < ft.n_total; ++t) {
+        if (kPingPong && t < n_main) {  // tile 0's section and the loop's: the turns of a walk
+          named_sync(my_bar, 256);
+          pass_turn();
+        }
+        mbar_wait(ring.k_full(stage(t)), parity(t));
+        mbar_wait(ring.v_full(stage(t)), parity(t));
+        if (lane == 0) {
+          mbar_arrive(ring.k_empty(stage(t)));
+          mbar_arrive(ring.v_empty(stage(t)));
+        }
+      }
+      return;
+    }
 
     // tile 0: S only
     mbar_wait(ring.k_full(stage(0)), parity(0));
@@ -493,9 +516,9 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, bool narro
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
   const int narrowest = ws_fwd_tail_min_from_env();
   if (narrowest < 0) return cudaErrorInvalidValue;  // the op names the variable first
-  const int diag64 = ws_fwd_diag_from_env();
-  if (diag64 < 0) return cudaErrorInvalidValue;
-  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? narrowest : 0, diag64);
+  const int diag64 = ws_fwd_diag_from_env(), idle = ws_fwd_idle_from_env();
+  if (diag64 < 0 || idle < 0) return cudaErrorInvalidValue;
+  k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? narrowest : 0, diag64, idle);
   return cudaGetLastError();
 }
 
@@ -508,6 +531,7 @@ int ws_fwd_tail_min_from_env() {
 }
 
 int ws_fwd_diag_from_env() { return env_choice("MEGATRON_DUALKV_WS_FWD_DIAG", {{"1", 1}, {"0", 0}}); }
+int ws_fwd_idle_from_env() { return env_choice("MEGATRON_DUALKV_WS_FWD_IDLE", {{"1", 1}, {"0", 0}}); }
 
 cudaError_t launch_fwd_ws_sm90(const FwdArgs& a, int dtype, int d, int kv_tile, bool narrow_tail,
                                cudaStream_t stream) {

@@ -50,6 +50,9 @@ struct DqArgs : BwdInputs {
   // ws dQ kernel: consumer 0 skips a last key tile whose keys all lie past its rows
   // (MEGATRON_DUALKV_DQ_SKIP, dq_skip_from_env; an A/B switch)
   int skip_masked_last = 1;
+  // ws dQ kernel: consumer 1 of a query tile of 64 rows or fewer issues no MMAs
+  // (MEGATRON_DUALKV_DQ_IDLE, dq_idle_from_env; an A/B switch)
+  int idle_empty_rows = 1;
   int num_items;
   int T, hq, hkv;
   float scale, scale_log2;
@@ -105,6 +108,8 @@ int dq_key_tile_from_env();
 // MEGATRON_DUALKV_DQ_SKIP and MEGATRON_DUALKV_DET_SKIP (read at every launch): 1 (unset or empty
 // too), 0, -1 for any other value
 int dq_skip_from_env();
+// MEGATRON_DUALKV_DQ_IDLE, the same way: DqArgs::idle_empty_rows
+int dq_idle_from_env();
 int det_skip_from_env();
 // The deterministic dQ kernel, warp-specialized (csrc/dualkv_dq_ws_sm90.cu): same items, math and
 // accumulation order as launch_dq_sm90's (bitwise the same dQ); q, dout, k, v 16-byte aligned (TMA).

@@ -62,6 +62,7 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
   check_work(row_work, q, "row_work", 8);
   check_env_choice(mdkv::ws_fwd_tail_min_from_env(), "MEGATRON_DUALKV_WS_FWD_TAIL_MIN", "'16' or '64'");
   check_env_choice(mdkv::ws_fwd_diag_from_env(), "MEGATRON_DUALKV_WS_FWD_DIAG", "'0' or '1'");
+  check_env_choice(mdkv::ws_fwd_idle_from_env(), "MEGATRON_DUALKV_WS_FWD_IDLE", "'0' or '1'");
   TORCH_CHECK(kv_tile == 128 || (kv_tile == 176 && q.size(2) == 128),
               "megatron_dualkv: fwd_ws_sm90 takes key tiles of 128 keys, or 176 at head dim 128; got ", kv_tile,
               " at head dim ", q.size(2));
@@ -101,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     check_env_choice(mdkv::dq_side_stream_from_env(), "MEGATRON_DUALKV_DQ_STREAM", "'auto', '0', '1' or 'pdl'");
     check_env_choice(mdkv::det_overlap_from_env(), "MEGATRON_DUALKV_DET_OVERLAP", "'0' or '1'");
     check_env_choice(mdkv::dq_skip_from_env(), "MEGATRON_DUALKV_DQ_SKIP", "'0' or '1'");
+    check_env_choice(mdkv::dq_idle_from_env(), "MEGATRON_DUALKV_DQ_IDLE", "'0' or '1'");
     check_env_choice(mdkv::det_skip_from_env(), "MEGATRON_DUALKV_DET_SKIP", "'0' or '1'");
     if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
   }
@@ -179,6 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   mdkv::DqArgs qa = dq_args(q, k, v, in.dout, lse, delta, dq, row_work, scale);
   if (pdl) qa.pdl_ticket = ticket.data_ptr<int>();
   qa.skip_masked_last = mdkv::dq_skip_from_env();
+  qa.idle_empty_rows = mdkv::dq_idle_from_env();
   if (ws_dq)
     check_launch(mdkv::launch_dq_ws_sm90(qa, dtype_code(q), q.size(2), dq_stream, pdl), "bwd_ws_sm90 (dq_ws)", true);
   else

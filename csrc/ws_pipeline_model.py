@@ -332,8 +332,9 @@ class KvRing:
     for query tile j - 1. Checked on every read, landing and release: an MMA reads the stage holding
     its tile (and the Q of its query tile), no TMA lands in a stage (or Q) still read, one mbarrier
     phase never mixes two tiles' releases."""
-    def __init__(s, n, stages, tiles=None, mutation=None):
+    def __init__(s, n, stages, tiles=None, mutation=None, diag=(), idle=()):
         s.tiles = list(tiles) if tiles else [n]
+        s.diag, s.idle = set(diag), set(idle)  # the forward's query tiles with those steps (_fwd_consumer)
         s.n, s.stages, s.mutation = s.tiles[0], stages, mutation
         s.q_full, s.q_empty = MBar(1), MBar(2)
         s.kf, s.vf = [MBar(1) for _ in range(stages)], [MBar(1) for _ in range(stages)]
@@ -402,6 +403,8 @@ FWD_MUTATIONS = {  # mutation -> what the persistent forward would do wrong (eac
     "q_empty_at_start": "a consumer arrives on q_empty as its query tile starts, before its S MMAs read Q",
     "no_final_take": "consumer 0 does not take consumer 1's last turn pass before it exits",
     "turn_up_front_per_tile": "consumer 1 arrives up front at every query tile, not once",
+    "diag_without_turn": "consumer 0 leaves its diagonal tile out of the loop without taking that step's turn",
+    "idle_without_turns": "consumer 1 without rows walks its key tiles without taking their turns",
 }
 
 
@@ -410,12 +413,29 @@ def _fwd_consumer(r, w):
     groups of one turn; K_t released once S_t completed, V_{t-1} once its P V group did, q_empty
     once the query tile's last S completed. Every section passes the turn (consumer 1's last pass
     of a query tile is consumer 0's first turn of the next); consumer 0 takes the last pass before
-    it exits. The query tile's parent tail (narrowed, no turns) is not modelled."""
+    it exits. The query tile's parent tail (narrowed, no turns) is not modelled.
+    Query tiles j in r.diag (n >= 2): consumer 0 leaves the last key tile (its causal diagonal) out
+    of its loop, takes that step's turn empty and runs the tile after the loop without turns (S,
+    K released, q_empty, then P V). Query tiles j in r.idle: consumer 1 has no rows; it arrives on
+    q_empty at once and per key tile takes its turn empty, waits for K and V to load and releases
+    them."""
     g = 0
     if w == 1: r.narrive(1)  # consumer 0 takes the first turn
     for j, n in enumerate(r.tiles):
         while not r.q_full.done(j & 1): yield
         if w == 1 and j > 0 and r.mutation == "turn_up_front_per_tile": r.narrive(1)
+        if w == 1 and j in r.idle:
+            r.q_empty.arrive()  # it never reads this Q
+            for t in range(g, g + n):
+                if r.mutation != "idle_without_turns":
+                    yield from r.nsync(w)
+                    r.narrive(w)
+                yield from r.full(r.kf, t); yield from r.full(r.vf, t)
+                r.release("K", t); r.release("V", t)
+            g += n
+            continue
+        diag = w == 0 and j in r.diag and n >= 2
+        nl = n - 1 if diag else n  # key tiles of the loop and its epilogue
         if r.mutation == "q_empty_at_start": r.q_empty.arrive()
         yield from r.full(r.kf, g)
         yield from r.nsync(w)
@@ -423,7 +443,7 @@ def _fwd_consumer(r, w):
         r.narrive(w)
         yield from r.wait_groups(w, 0)
         r.release("K", g)
-        for t in range(g + 1, g + n):
+        for t in range(g + 1, g + nl):
             yield from r.wait_groups(w, 0)
             if t >= g + 2: r.release("V", t - 2)
             yield from r.full(r.kf, t)
@@ -433,53 +453,84 @@ def _fwd_consumer(r, w):
             r.narrive(w)
             yield from r.wait_groups(w, 1)
             r.release("K", t)
-        if r.mutation != "q_empty_at_start": r.q_empty.arrive()  # the tile's last S completed
+        if r.mutation != "q_empty_at_start" and not diag: r.q_empty.arrive()  # the tile's last S completed
+        if diag and r.mutation != "diag_without_turn":  # the diagonal's loop step, its turn empty
+            yield from r.nsync(w)
+            r.narrive(w)
         yield from r.wait_groups(w, 0)
-        if n >= 2: r.release("V", g + n - 2)
-        yield from r.full(r.vf, g + n - 1)
-        r.group(w, [("V", g + n - 1)])
+        if nl >= 2: r.release("V", g + nl - 2)
+        yield from r.full(r.vf, g + nl - 1)
+        r.group(w, [("V", g + nl - 1)])
         yield from r.wait_groups(w, 0)
-        r.release("V", g + n - 1)
+        r.release("V", g + nl - 1)
+        if diag:  # the diagonal tile at 64 keys, no turns
+            t = g + n - 1
+            yield from r.full(r.kf, t)
+            r.group(w, [("Q", j), ("K", t)])
+            yield from r.wait_groups(w, 0)
+            r.release("K", t)
+            if r.mutation != "q_empty_at_start": r.q_empty.arrive()
+            yield from r.full(r.vf, t)
+            r.group(w, [("V", t)])
+            yield from r.wait_groups(w, 0)
+            r.release("V", t)
         g += n
     if w == 0 and r.mutation != "no_final_take": yield from r.nsync(0)
 
 
-def run(n, seed, tiles=None, mutation=None):
+def run(n, seed, tiles=None, mutation=None, diag=(), idle=()):
     """The ws forward's protocol (S = 3 stages), see KvRing and _fwd_consumer; tiles: the key tile
-    counts of the query tiles one persistent CTA takes in turn (default: one query tile of n)."""
+    counts of the query tiles one persistent CTA takes in turn (default: one query tile of n);
+    diag, idle: the query tiles whose consumer 0 runs its diagonal after the loop, whose consumer
+    1 has no rows."""
     assert mutation is None or mutation in FWD_MUTATIONS
-    return KvRing(n, S, tiles, mutation).run(_fwd_consumer, seed)
+    return KvRing(n, S, tiles, mutation, diag, idle).run(_fwd_consumer, seed)
 
 
-def run_persistent(n, seed, mutation=None):
+def run_persistent(n, seed, mutation=None, diag=(), idle=()):
     """The persistent forward: a CTA taking four query tiles of n, 1, n + 2 and 2 key tiles, on
-    the 3-stage (128-key) and 2-stage (176-key) rings."""
+    the 3-stage (128-key) and 2-stage (176-key) rings (diag, idle as in run). The diag and idle
+    mutations run with diagonals on tiles 0, 2, 3 and consumer 1 idle on tiles 1, 2."""
+    if mutation == "diag_without_turn": diag = (0, 2, 3)
+    if mutation == "idle_without_turns": idle = (1, 2)
     for stages in (3, 2):
-        KvRing(n, stages, [n, 1, n + 2, 2], mutation).run(_fwd_consumer, seed)
+        KvRing(n, stages, [n, 1, n + 2, 2], mutation, diag, idle).run(_fwd_consumer, seed)
 
 
 DQ_MUTATIONS = {  # mutation -> what the kernel would do wrong (each must make run_dq fail)
     "k_release_after_s": "K_t released after S_t (as the forward does) although dQ reads it one step later",
     "k_release_at_issue": "K_{t-1} released as its dQ group is issued, not when it completed",
+    "idle_release_unloaded": "consumer 1 without rows releases a stage without waiting for its load",
     "skip_without_turn": "consumer 0 skips its masked last tile without taking that step's turn",
 }
 
 
-def run_dq(n, seed, stages=4, mutation=None, skip0=False):
+def run_dq(n, seed, stages=4, mutation=None, skip0=False, idle1=False):
     """The ws dQ kernel (csrc/dualkv_dq_ws_sm90.cu): the forward's ring and turns (KvRing), with
     S_t and dP_t (K_t and V_t) in a consumer's first group of step t and dQ += dS_{t-1} K_{t-1} in
     its second; V_t is released when the first group completed, K_t when its dQ group did (top of
     step t + 2, or after the loop). skip0 (n >= 2): consumer 0 walks n - 1 tiles (its rows end
     before the last tile's keys at a causal diagonal) and takes the last step's turn as an empty
-    issue section. No deadlock, and KvRing's checks."""
+    issue section. idle1: consumer 1 has no rows (a query tile of 64 rows or fewer); per key tile
+    it waits for K and V to load, takes its turn empty and releases both. No deadlock, and
+    KvRing's checks."""
     assert mutation is None or mutation in DQ_MUTATIONS
     skip0 = (skip0 or mutation == "skip_without_turn") and n >= 2
+    idle1 = idle1 or mutation == "idle_release_unloaded"
 
     def consumer(r, w):
         skip = skip0 and w == 0
         nc = n - 1 if skip else n
         while not r.q_full.done(0): yield
         if w == 1: r.narrive(1)
+        if w == 1 and idle1:
+            for t in range(n):
+                if mutation != "idle_release_unloaded":
+                    yield from r.full(r.kf, t); yield from r.full(r.vf, t)
+                yield from r.nsync(w)
+                if t + 1 < n: r.narrive(w)
+                r.release("V", t); r.release("K", t)
+            return
         yield from r.full(r.kf, 0); yield from r.full(r.vf, 0)
         yield from r.nsync(w)
         r.group(w, [("K", 0), ("V", 0)])
@@ -660,8 +711,10 @@ if __name__ == "__main__":
                         run_bwd(n, seed, tma_dq=True, turns=turns, wide=True)
                         run_bwd(n, seed, tma_dq=True, turns=turns, wide=True, tail=True)
             run_persistent(n, seed)
+            run_persistent(n, seed, diag=[0, 2, 3], idle=[1, 2])
             run_dq(n, seed)
             run_dq(n, seed, skip0=True)
+            run_dq(n, seed, skip0=True, idle1=True)
             run_det_overlap(n, seed)
             for skip1 in range(1, min(n, 8) + 1):
                 run_det_overlap(n, seed, skip1=skip1)

@@ -22,6 +22,10 @@ def test_forward_and_backward_protocols(n):
     for seed in SEEDS:
         model.run(n, seed)
         model.run_persistent(n, seed)  # query tiles one after another on one ring, both ring depths
+        # consumer 0's diagonal after its loop, consumer 1 without rows: alone, together, in a row
+        model.run(n, seed, diag=[0]); model.run(n, seed, idle=[0])
+        model.run_persistent(n, seed, diag=[0, 2, 3], idle=[1, 2])
+        model.run_persistent(n, seed, diag=[1, 3], idle=[0, 1, 2, 3])
         for tma_dq in (False, True):
             for d128 in (True, False):
                 model.run_bwd(n, seed, d128=d128, tma_dq=tma_dq)
@@ -38,6 +42,8 @@ def test_dq_kernel_protocol(n, stages):
     for seed in SEEDS:
         model.run_dq(n, seed, stages=stages)
         model.run_dq(n, seed, stages=stages, skip0=True)  # consumer 0's masked last tile skipped
+        model.run_dq(n, seed, stages=stages, idle1=True)  # consumer 1 without rows
+        model.run_dq(n, seed, stages=stages, skip0=True, idle1=True)
 
 
 @pytest.mark.parametrize("n", STEPS)

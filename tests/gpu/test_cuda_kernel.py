@@ -361,12 +361,14 @@ def test_wsbwd_dq_kernels_give_the_same_bits(case, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_wsbwd_dq_kernel_skips_masked_last_tiles(case, monkeypatch):
+def test_wsbwd_dq_kernel_skips_masked_work(case, monkeypatch):
     """The ws dQ kernel's consumer 0 stops one 64-key tile early where every key of a query tile's
     last tile lies past its 64 rows (causal diagonals); with MEGATRON_DUALKV_DQ_SKIP=0 it walks that
-    tile (adding zero products): bitwise equal dq. Every case has query tiles of more than 64 rows
-    at a diagonal (so the skip runs) and shorter ones."""
-    runs = deterministic_runs(case, 13, [{"MEGATRON_DUALKV_DQ_SKIP": "0"}], monkeypatch)
+    tile (adding zero products). Its consumer 1 issues nothing for a query tile of 64 rows or fewer
+    (rows it would not store); with MEGATRON_DUALKV_DQ_IDLE=0 it walks the tile. Bitwise equal dq
+    every way. Every case has query tiles of more than 64 rows at a diagonal and of 64 or fewer."""
+    runs = deterministic_runs(case, 13, [{"MEGATRON_DUALKV_DQ_SKIP": "0"}, {"MEGATRON_DUALKV_DQ_IDLE": "0"}],
+                              monkeypatch)
     assert_same_bits(runs, ["dq", "dk", "dv"], "with the masked last tiles walked")
 
 
@@ -416,11 +418,11 @@ def test_wsbwd_deterministic_overlap(case, monkeypatch):
 @gpu
 @pytest.mark.parametrize("var, bad", [("MEGATRON_DUALKV_DQ_KERNEL", "fast"), ("MEGATRON_DUALKV_DQ_STREAM", "yes"),
                                       ("MEGATRON_DUALKV_DET_OVERLAP", "on"), ("MEGATRON_DUALKV_DQ_SKIP", "yes"),
-                                      ("MEGATRON_DUALKV_DET_SKIP", "no")])
+                                      ("MEGATRON_DUALKV_DET_SKIP", "no"), ("MEGATRON_DUALKV_DQ_IDLE", "2")])
 def test_wsbwd_deterministic_names_a_bad_switch(var, bad, monkeypatch):
     """A deterministic ws backward switch set to a value it does not take is an error naming the
     variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0, 1 or pdl; DET_OVERLAP,
-    DQ_SKIP and DET_SKIP: 0 or 1)."""
+    DQ_SKIP, DET_SKIP and DQ_IDLE: 0 or 1)."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=6)
     monkeypatch.setenv(var, bad)
@@ -849,31 +851,36 @@ def test_ws_forward_persistent_is_one_tile_per_cta_bitwise(case, tile, monkeypat
 
 
 @gpu
+@pytest.mark.parametrize("tile", [128, 176])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_ws_forward_diagonal_at_64_keys_is_bitwise(case, monkeypatch):
-    """Consumer 0 runs a causal diagonal's 128-key tile after its loop at 64 keys (the default; the
-    keys it leaves out are masked for all its rows) against that tile at full width in the loop
-    (MEGATRON_DUALKV_WS_FWD_DIAG=0): only zero products are dropped, so bitwise equal out and lse,
-    every element written (NaN-poisoned buffers), one CTA per query tile and persistent, the whole
-    batch and a context-parallel rank's local queries. Every case has response and prompt query
-    tiles of more than 64 rows at a diagonal (the step runs) and tiles of 64 rows or fewer."""
+def test_ws_forward_skipped_masked_work_is_bitwise(case, tile, monkeypatch):
+    """What the forward's consumers leave out is masked: consumer 0 runs a causal diagonal's
+    128-key tile after its loop at 64 keys (MEGATRON_DUALKV_WS_FWD_DIAG=0: at full width in the
+    loop), and consumer 1 of a query tile of 64 rows or fewer computes nothing
+    (MEGATRON_DUALKV_WS_FWD_IDLE=0: it walks the tile). Only zero products and rows never stored
+    are dropped, so bitwise equal out and lse, every element written (NaN-poisoned buffers), one
+    CTA per query tile and persistent, the whole batch and a context-parallel rank's local
+    queries. Every case has query tiles of more than 64 rows at a diagonal and of 64 or fewer."""
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     q, k, v, _ = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=31 + case + random.randrange(1 << 20))
     rows = cp_like_rows(seg.num_tokens, seed=case)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", "128")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TILE", str(tile))
     for persistent in ("0", "1"):
         monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", persistent)
         got = {}
-        for diag in ("1", "0"):
+        for diag, idle in (("1", "1"), ("0", "1"), ("1", "0")):
             monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_DIAG", diag)
+            monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_IDLE", idle)
             poison_allocator(4 * q.numel() * q.element_size() + (64 << 20))
-            got[diag] = (cuda_backend.forward(q, k, v, seg, 0.11, fwd_impl="ws"),
-                         cuda_backend.forward(q[rows].contiguous(), k, v, seg, 0.11, q_rows=rows))
-        for what, narrow, full in zip(("whole batch", "local queries"), got["1"], got["0"]):
-            for name, a, b in zip(("out", "lse"), narrow, full):
-                assert torch.isfinite(a).all(), f"{what}, persistent={persistent}: {name} has unwritten elements"
-                assert torch.equal(a, b), f"{what}, persistent={persistent}: {name} differs with the diagonal at 64 keys"
+            got[diag, idle] = (cuda_backend.forward(q, k, v, seg, 0.11, fwd_impl="ws"),
+                               cuda_backend.forward(q[rows].contiguous(), k, v, seg, 0.11, q_rows=rows))
+        for switch in (("0", "1"), ("1", "0")):
+            for what, new, old in zip(("whole batch", "local queries"), got["1", "1"], got[switch]):
+                for name, a, b in zip(("out", "lse"), new, old):
+                    where = f"{what}, persistent={persistent}, DIAG, IDLE={switch}"
+                    assert torch.isfinite(a).all(), f"{where}: {name} has unwritten elements"
+                    assert torch.equal(a, b), f"{where}: {name} differs with the masked work skipped"
 
 
 @gpu
@@ -890,6 +897,10 @@ def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
     monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL_MIN")
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_DIAG", "yes")
     with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_DIAG must be '0' or '1'"):
+        cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_DIAG")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_IDLE", "2")
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_IDLE must be '0' or '1'"):
         cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
 
 
