@@ -39,7 +39,10 @@
 // Named barriers 1 and 2 (256 threads: 128 bar.sync + 128 bar.arrive): consumer 1 arrives once
 // up front, then each consumer passes the turn after each of its issue sections (a persistent
 // CTA's turns run on from query tile to query tile), and consumer 0 takes consumer 1's last pass
-// before it exits, so both barriers see equal sync and arrive counts.
+// before it exits, so both barriers see equal sync and arrive counts. Masked work left out keeps
+// the counts: consumer 0 runs a causal diagonal's tile after its loop at 64 keys and takes that
+// loop step's turn empty; consumer 1 of a query tile of 64 rows or fewer takes every turn empty
+// and only releases the stages (run_tile; csrc/ws_pipeline_model.py replays both).
 // Persistent CTAs (kPersistent, one per SM): see fwd_ws_kernel.
 
 #include <cuda.h>
