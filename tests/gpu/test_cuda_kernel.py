@@ -369,7 +369,7 @@ def test_wsbwd_dq_kernel_skips_masked_work(case, monkeypatch):
     every way. Every case has query tiles of more than 64 rows at a diagonal and of 64 or fewer."""
     runs = deterministic_runs(case, 13, [{"MEGATRON_DUALKV_DQ_SKIP": "0"}, {"MEGATRON_DUALKV_DQ_IDLE": "0"}],
                               monkeypatch)
-    assert_same_bits(runs, ["dq", "dk", "dv"], "with the masked last tiles walked")
+    assert_same_bits(runs, ["dq", "dk", "dv"], "with the masked work walked")
 
 
 @gpu
@@ -884,7 +884,9 @@ def test_ws_forward_skipped_masked_work_is_bitwise(case, tile, monkeypatch):
 
 
 @gpu
-def test_ws_forward_names_a_bad_tail_switch(monkeypatch):
+def test_ws_forward_names_a_bad_switch(monkeypatch):
+    """MEGATRON_DUALKV_WS_FWD_TAIL, WS_FWD_TAIL_MIN, WS_FWD_DIAG and WS_FWD_IDLE set to a value they
+    do not take: an error naming the variable."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
