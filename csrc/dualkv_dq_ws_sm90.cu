@@ -3,7 +3,8 @@
 //
 // Same math, items and accumulation order as dq_kernel in dualkv_bwd_sm90.cu (one CTA per 128-row
 // query tile and query head; the parent's key tiles, then the segment's own, each adding the same
-// k16 slices in key order), so dQ is bitwise the same; the structure is the ws forward's
+// k16 slices in key order), so dQ is bitwise the same (with MEGATRON_DUALKV_DQ_NARROW=0: by
+// default a ragged prompt's last key tile is walked first, see the kernel); the structure is the ws forward's
 // (dualkv_fwd_ws_sm90.cu), with dP = dO V^T beside S = Q K^T and dQ += dS K in place of O += P V:
 //   warpgroup 0, producer: one thread loads Q and dO once and every key tile's K and V (kBK = 64
 //     rows) with TMA into a ring of kStages stages.
@@ -103,6 +104,17 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   const int hk = blk.hk, h = blk.h;
   const RowItem<kBK> tile(a.work + blk.item * 8);
   const int n = tile.n_total;  // >= 1: the segment's own rows
+  // A ragged prompt's last key tile holds P mod 64 of the prompt's keys (the rest are other
+  // segments' rows, masked). Where 16 or 32 keys hold them, the walk takes that tile first and
+  // computes its S and dP at that width (the first step runs outside the pipelined loop, so no
+  // width is chosen inside it: a branch around wgmma issue there made ptxas fence or serialize the
+  // wgmmas, docs/PERF.md nineteenth, twenty-ninth and thirtieth sessions). dq's sum order then
+  // differs from the sm90 dQ kernel's (still fixed: deterministic). MEGATRON_DUALKV_DQ_NARROW=0: in
+  // key order at full width.
+  const int p_tail = tile.n_par > 0 ? tile.par1 - tile.kv_start(tile.n_par - 1) : kBK;
+  const int pw = !a.narrow_parent_tail ? kBK : p_tail <= 16 ? 16 : p_tail <= 32 ? 32 : kBK;
+  // walk step t -> key tile of the row item
+  auto key_tile = [&](int t) { return pw == kBK || t >= tile.n_par ? t : (t == 0 ? tile.n_par - 1 : t - 1); };
 
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);  // warp-uniform
 
@@ -123,7 +135,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
         tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, ring.q_full(), p * 64, h, tile.q0);
         tma_load(smem_addr(sdO + p * kBQ * 64), &tm_do, ring.q_full(), p * 64, h, tile.q0);
       }
-      ring.template load_kv<T, D, kBK>(&tm_k, &tm_v, sK, sV, n, hk, [&](int t) { return tile.kv_start(t); });
+      ring.template load_kv<T, D, kBK>(&tm_k, &tm_v, sK, sV, n, hk, [&](int t) { return tile.kv_start(key_tile(t)); });
     }
     return;
   }
@@ -151,7 +163,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   uint32_t da[kBK / 16][4];
 
   // dS_t in place of S_t
-  auto ds_step = [&](int t) { scores_to_ds<kBK>(tile, t, s, dp, lse2, dlt, sl2, row_a, lane); };
+  auto ds_step = [&](int t) { scores_to_ds<kBK>(tile, key_tile(t), s, dp, lse2, dlt, sl2, row_a, lane); };
 
   // A programmatic dependent of the dK/dV kernel may finish before it; the stream's next work
   // waits only for this grid, so the CTA that takes the last ticket waits for the dK/dV grid
@@ -185,18 +197,31 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     return;
   }
 
-  // tile 0: S and dP only
-  mbar_wait(ring.k_full(0), 0);
-  mbar_wait(ring.v_full(0), 0);
-  named_sync(my_bar, 256);
-  wg_fence();
-  wgmma_rows_x_rows<T, D, kBQ, kBK>(s, sQw, 0, sK);
-  wgmma_rows_x_rows<T, D, kBQ, kBK>(dp, sdOw, 0, sV);
-  wg_commit();
-  if (cw == 0 || n > 1) named_arrive(other_bar, 256);
-  wg_wait<0>();
-  reg_fence(s);
-  reg_fence(dp);
+  // tile 0: S and dP only, at SW keys (pw; the columns past it are zeros, masked by
+  // the select in scores_to_ds, so their dS is 0). One whole step per width: a width chosen
+  // around the wgmmas alone made ptxas inject arrives and serialize them (C7519, C7515).
+  auto first_step = [&](auto s_width) {
+    constexpr int SW = decltype(s_width)::value;
+#pragma unroll
+    for (int i = SW / 2; i < kBK / 2; ++i) s[i] = dp[i] = 0.f;
+    mbar_wait(ring.k_full(0), 0);
+    mbar_wait(ring.v_full(0), 0);
+    named_sync(my_bar, 256);
+    wg_fence();
+    wgmma_rows_x_rows<T, D, kBQ, SW, kBK>(s, sQw, 0, sK);
+    wgmma_rows_x_rows<T, D, kBQ, SW, kBK>(dp, sdOw, 0, sV);
+    wg_commit();
+    if (cw == 0 || n > 1) named_arrive(other_bar, 256);
+    wg_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+  };
+  if (pw == 16)
+    first_step(std::integral_constant<int, 16>());
+  else if (pw == 32)
+    first_step(std::integral_constant<int, 32>());
+  else
+    first_step(std::integral_constant<int, kBK>());
   if (lane == 0) mbar_arrive(ring.v_empty(0));
   ds_step(0);
 
@@ -296,6 +321,7 @@ int dq_kernel_from_env() { return env_choice("MEGATRON_DUALKV_DQ_KERNEL", {{"ws"
 
 int dq_skip_from_env() { return env_choice("MEGATRON_DUALKV_DQ_SKIP", {{"1", 1}, {"0", 0}}); }
 int dq_idle_from_env() { return env_choice("MEGATRON_DUALKV_DQ_IDLE", {{"1", 1}, {"0", 0}}); }
+int dq_narrow_from_env() { return env_choice("MEGATRON_DUALKV_DQ_NARROW", {{"1", 1}, {"0", 0}}); }
 
 int dq_side_stream_from_env() {
   return env_choice("MEGATRON_DUALKV_DQ_STREAM", {{"auto", 2}, {"1", 1}, {"0", 0}, {"pdl", 3}});

@@ -53,6 +53,10 @@ struct DqArgs : BwdInputs {
   // ws dQ kernel: consumer 1 of a query tile of 64 rows or fewer issues no MMAs
   // (MEGATRON_DUALKV_DQ_IDLE, dq_idle_from_env; an A/B switch)
   int idle_empty_rows = 1;
+  // ws dQ kernel: the parent's partial last key tile walked first, its S and dP at 16 or 32 keys
+  // where they hold its keys
+  // (MEGATRON_DUALKV_DQ_NARROW, dq_narrow_from_env; an A/B switch)
+  int narrow_parent_tail = 1;
   int num_items;
   int T, hq, hkv;
   float scale, scale_log2;
@@ -110,6 +114,8 @@ int dq_key_tile_from_env();
 int dq_skip_from_env();
 // MEGATRON_DUALKV_DQ_IDLE, the same way: DqArgs::idle_empty_rows
 int dq_idle_from_env();
+// MEGATRON_DUALKV_DQ_NARROW, the same way: DqArgs::narrow_parent_tail
+int dq_narrow_from_env();
 int det_skip_from_env();
 // The deterministic dQ kernel, warp-specialized (csrc/dualkv_dq_ws_sm90.cu): same items, math and
 // accumulation order as launch_dq_sm90's (bitwise the same dQ); q, dout, k, v 16-byte aligned (TMA).

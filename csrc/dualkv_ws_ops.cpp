@@ -103,6 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     check_env_choice(mdkv::det_overlap_from_env(), "MEGATRON_DUALKV_DET_OVERLAP", "'0' or '1'");
     check_env_choice(mdkv::dq_skip_from_env(), "MEGATRON_DUALKV_DQ_SKIP", "'0' or '1'");
     check_env_choice(mdkv::dq_idle_from_env(), "MEGATRON_DUALKV_DQ_IDLE", "'0' or '1'");
+    check_env_choice(mdkv::dq_narrow_from_env(), "MEGATRON_DUALKV_DQ_NARROW", "'0' or '1'");
     check_env_choice(mdkv::det_skip_from_env(), "MEGATRON_DUALKV_DET_SKIP", "'0' or '1'");
     if (mdkv::dq_kernel_from_env() == 0) check_dq_key_tile_env();
   }
@@ -182,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   if (pdl) qa.pdl_ticket = ticket.data_ptr<int>();
   qa.skip_masked_last = mdkv::dq_skip_from_env();
   qa.idle_empty_rows = mdkv::dq_idle_from_env();
+  qa.narrow_parent_tail = mdkv::dq_narrow_from_env();
   if (ws_dq)
     check_launch(mdkv::launch_dq_ws_sm90(qa, dtype_code(q), q.size(2), dq_stream, pdl), "bwd_ws_sm90 (dq_ws)", true);
   else

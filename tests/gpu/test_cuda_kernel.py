@@ -354,7 +354,9 @@ def test_dq_kernel_key_tiles_give_the_same_bits(case, monkeypatch):
 def test_wsbwd_dq_kernels_give_the_same_bits(case, monkeypatch):
     """The deterministic ws backward's dQ by the warp-specialized dQ kernel (default, 64-key tiles)
     and by the sm90 one (MEGATRON_DUALKV_DQ_KERNEL=sm90, 128-key steps): the same k16 slices in
-    the same key order, so bitwise equal dq; dk, dv come from the same dK/dV kernel."""
+    the same key order (the ws kernel's ragged prompt tile in its place: MEGATRON_DUALKV_DQ_NARROW=0),
+    so bitwise equal dq; dk, dv come from the same dK/dV kernel."""
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_NARROW", "0")
     runs = deterministic_runs(case, 77, [{"MEGATRON_DUALKV_DQ_KERNEL": "sm90"}], monkeypatch)
     assert_same_bits(runs, ["dq", "dk", "dv"], "between the ws and the sm90 dQ kernels")
 
@@ -391,6 +393,31 @@ def test_wsbwd_deterministic_diagonal_steps_last(case, monkeypatch):
     assert_close_no_worse(last, plain, exact(q, k, v, dout, seg, scale), ["dk", "dv"], "vs the plain walk")
 
 
+# prompts of 217 and 25 rows leave 25 keys in their last 64-key tile (narrowed to 32), 100 leaves 36 (not)
+RAGGED_32 = [([(217, [40, 300, 5]), (100, [70, 2]), (25, [129])], 3, 32, 8, 128, torch.bfloat16),
+             ([(217, [64, 200])], 0, 32, 4, 64, torch.float16)]
+
+
+@gpu
+@pytest.mark.parametrize("layout", CASES + RAGGED_32)
+def test_wsbwd_dq_kernel_ragged_prompt_tile_first(layout, monkeypatch):
+    """The ws dQ kernel walks a ragged prompt's last 64-key tile (P mod 64 of the prompt's keys in
+    it) first, its S and dP at 16 or 32 keys where they cover them. Against
+    MEGATRON_DUALKV_DQ_NARROW=0 (in key order at full width): only dq's sum order differs, so dq
+    within bf16 rounding and no worse against float64, dk and dv bitwise, two runs bitwise equal.
+    CASES' prompts (5059, 1999, 777, 333, 130, 77, 2 rows) leave 2-15 keys there (16 wide);
+    RAGGED_32's 217 and 25 leave 25 (32 wide), and 64 and 100 rows are walked as before."""
+    groups, pad, hq, hkv, d, dtype = layout
+    seg = make_segments(groups, pad)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=17 + random.randrange(1 << 20))
+    scale = 1.0 / math.sqrt(d)
+    first, in_order = ws_runs_default_and_with("MEGATRON_DUALKV_DQ_NARROW", "0", q, k, v, dout, seg, scale, True,
+                                               monkeypatch)
+    assert_same_bits([first, in_order], ["dk", "dv"], "with the dQ kernel's walk order")
+    assert_close_no_worse(first, in_order, exact(q, k, v, dout, seg, scale), ["dq"], "vs the walk in key order",
+                          finite=True)
+
+
 @gpu
 def test_wsbwd_dq_side_stream(monkeypatch):
     """The deterministic mode's dQ kernel on a second stream beside the dK/dV kernel
@@ -418,11 +445,12 @@ def test_wsbwd_deterministic_overlap(case, monkeypatch):
 @gpu
 @pytest.mark.parametrize("var, bad", [("MEGATRON_DUALKV_DQ_KERNEL", "fast"), ("MEGATRON_DUALKV_DQ_STREAM", "yes"),
                                       ("MEGATRON_DUALKV_DET_OVERLAP", "on"), ("MEGATRON_DUALKV_DQ_SKIP", "yes"),
-                                      ("MEGATRON_DUALKV_DET_SKIP", "no"), ("MEGATRON_DUALKV_DQ_IDLE", "2")])
+                                      ("MEGATRON_DUALKV_DET_SKIP", "no"), ("MEGATRON_DUALKV_DQ_IDLE", "2"),
+                                      ("MEGATRON_DUALKV_DQ_NARROW", "on")])
 def test_wsbwd_deterministic_names_a_bad_switch(var, bad, monkeypatch):
     """A deterministic ws backward switch set to a value it does not take is an error naming the
     variable (MEGATRON_DUALKV_DQ_KERNEL: ws or sm90; DQ_STREAM: auto, 0, 1 or pdl; DET_OVERLAP,
-    DQ_SKIP, DET_SKIP and DQ_IDLE: 0 or 1)."""
+    DQ_SKIP, DET_SKIP, DQ_IDLE and DQ_NARROW: 0 or 1)."""
     seg = make_segments([(100, [30, 7])])
     q, k, v, dout = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=6)
     monkeypatch.setenv(var, bad)
@@ -436,10 +464,12 @@ def test_deterministic_wsbwd_equals_sm90(case, monkeypatch):
     """The ws backward's deterministic mode (dK/dV by the ws kernel in list order, without dQ; dQ
     by the ws dQ kernel) gives bitwise the sm90 deterministic backward's dq, dk, dv after the
     same forward where no key tile is split (MEGATRON_DUALKV_WS_SPLIT=0) and the diagonal steps
-    keep their place (MEGATRON_DUALKV_DET_SKIP=0): every key tile's dK/dV add the same 16-row MMA
-    slices in the same order."""
+    keep their place (MEGATRON_DUALKV_DET_SKIP=0), as does a ragged prompt's tile in the dQ kernel
+    (MEGATRON_DUALKV_DQ_NARROW=0): every key tile's dK/dV and every query tile's dQ add the same
+    16-row MMA slices in the same order."""
     monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
     monkeypatch.setenv("MEGATRON_DUALKV_DET_SKIP", "0")
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_NARROW", "0")
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=4321 + case + random.randrange(1 << 20))
