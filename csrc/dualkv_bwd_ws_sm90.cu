@@ -388,12 +388,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         int hj = i - lead, j = 0;
         if (i < lead) {
           hj = i / per_lead;
-          j = i % per_lead + (diag_last && !a.reverse_rows ? 1 : 0);  // list order: 1 .. per_head - 1
+          const int r = i % per_lead;
           // Reversed (a split list, never phase-aligned): the CTAs of one response's rows (the prompt's
           // parts over them, its own key tiles, each starting at a different row) all start at its
           // last query tile and walk down together, so they read and reduce the same rows in L2
-          // while the others still need them (cuda_backend's split lists; csrc/ws_l2_model.py)
-          if (a.reverse_rows) j = per_head - 1 - (i % per_lead);
+          // while the others still need them (cuda_backend's split lists; csrc/ws_l2_model.py).
+          // In list order a diag_last walk takes query tiles 1 .. per_head - 1 here.
+          j = a.reverse_rows ? per_head - 1 - r : r + (diag_last ? 1 : 0);
         }
         const int h = hk * group + hj;
         if (n_kid > 0 && j < n_kid) {

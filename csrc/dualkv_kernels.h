@@ -81,8 +81,8 @@ struct DkvArgs : BwdInputs {
   // ws backward: every walk takes each query head's tiles last first (a split list, whose items
   // are grouped by the response whose rows they walk: they then all start at the response's end)
   int reverse_rows = 0;
-  // deterministic dK/dV kernel (kOverlap), reversed walks: the diagonal steps last, consumer 1
-  // stopping before them (MEGATRON_DUALKV_DET_SKIP, det_skip_from_env; an A/B switch)
+  // deterministic dK/dV kernel (kOverlap): the diagonal steps last, consumer 1 stopping before
+  // them (MEGATRON_DUALKV_DET_SKIP, det_skip_from_env; an A/B switch)
   int skip_masked_steps = 1;
   int num_items;
   int T, hq, hkv;
@@ -112,11 +112,11 @@ int dq_key_tile_from_env();
 // MEGATRON_DUALKV_DQ_SKIP and MEGATRON_DUALKV_DET_SKIP (read at every launch): 1 (unset or empty
 // too), 0, -1 for any other value
 int dq_skip_from_env();
+int det_skip_from_env();
 // MEGATRON_DUALKV_DQ_IDLE, the same way: DqArgs::idle_empty_rows
 int dq_idle_from_env();
 // MEGATRON_DUALKV_DQ_NARROW, the same way: DqArgs::narrow_parent_tail
 int dq_narrow_from_env();
-int det_skip_from_env();
 // The deterministic dQ kernel, warp-specialized (csrc/dualkv_dq_ws_sm90.cu): same items, math and
 // accumulation order as launch_dq_sm90's (bitwise the same dQ); q, dout, k, v 16-byte aligned (TMA).
 // Returns cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.

@@ -914,25 +914,25 @@ def test_ws_forward_skipped_masked_work_is_bitwise(case, tile, monkeypatch):
 
 
 @gpu
-def test_ws_forward_names_a_bad_switch(monkeypatch):
-    """MEGATRON_DUALKV_WS_FWD_TAIL, WS_FWD_TAIL_MIN, WS_FWD_DIAG and WS_FWD_IDLE set to a value they
-    do not take: an error naming the variable."""
+def test_ws_forward_names_a_bad_tail_mode(monkeypatch):
     seg = make_segments([(100, [30, 7])])
     q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL", "wide")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_TAIL must be"):
         cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
-    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_TAIL_MIN", "8")
-    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_TAIL_MIN must be '16' or '64'"):
-        cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
-    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_TAIL_MIN")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_DIAG", "yes")
-    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_DIAG must be '0' or '1'"):
-        cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
-    monkeypatch.delenv("MEGATRON_DUALKV_WS_FWD_DIAG")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_IDLE", "2")
-    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_WS_FWD_IDLE must be '0' or '1'"):
+
+
+@gpu
+@pytest.mark.parametrize("var, bad, allowed", [("MEGATRON_DUALKV_WS_FWD_TAIL_MIN", "8", "'16' or '64'"),
+                                               ("MEGATRON_DUALKV_WS_FWD_DIAG", "yes", "'0' or '1'"),
+                                               ("MEGATRON_DUALKV_WS_FWD_IDLE", "2", "'0' or '1'")])
+def test_ws_forward_names_a_bad_switch(var, bad, allowed, monkeypatch):
+    """A ws forward switch of the extension (WS_FWD_TAIL_MIN: 16 or 64; WS_FWD_DIAG and
+    WS_FWD_IDLE: 0 or 1) set to a value it does not take: an error naming the variable."""
+    seg = make_segments([(100, [30, 7])])
+    q, k, v, _ = inputs(seg.num_tokens, 4, 2, 128, torch.bfloat16, seed=5)
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(RuntimeError, match=f"{var} must be {allowed}"):
         cuda_backend.forward(q, k, v, seg, 0.1, fwd_impl="ws")
 
 
