@@ -1,5 +1,7 @@
 // DualKV dQ for Hopper (sm_90a), warp-specialized: the deterministic backward's dQ kernel
 // (launch_dq_ws_sm90; the ws backward's dK/dV kernel, without dQ, runs before it or beside it on a second stream).
+// Local queries (q, dout, lse, delta, dq hold Tq < T rows; row item field 6 is q0's row there):
+// the kLocal instance, the same walk and sums, so a held row's dQ is bitwise the whole batch's.
 //
 // Same math, items and accumulation order as dq_kernel in dualkv_bwd_sm90.cu (one CTA per 128-row
 // query tile and query head; the parent's key tiles, then the segment's own, each adding the same
@@ -86,7 +88,9 @@ struct Smem {
   static_assert(kBytes <= 227 * 1024, "shared memory of the ws dQ kernel exceeds the 227 KB an sm_90 CTA can have");
 };
 
-template <typename T, int D>
+// kLocal: q, dout, lse, delta and dq hold Tq < T rows (local queries), row item field 6 the row of
+// q0 there; its own instance, so that the whole-batch kernel's code is not rescheduled by the shift
+template <typename T, int D, bool kLocal>
 __global__ void __launch_bounds__(kThreadsWS, 1)
     dq_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v, DqArgs a) {
@@ -130,10 +134,11 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       prefetch_map(&tm_k);
       prefetch_map(&tm_v);
       mbar_expect_tx(ring.q_full(), 2 * kBQ * D * sizeof(T));
+      const int qloc = kLocal ? __ldg(a.work + blk.item * 8 + 6) : tile.q0;  // q0's row in q
 #pragma unroll
       for (int p = 0; p < D / 64; ++p) {
-        tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, ring.q_full(), p * 64, h, tile.q0);
-        tma_load(smem_addr(sdO + p * kBQ * 64), &tm_do, ring.q_full(), p * 64, h, tile.q0);
+        tma_load(smem_addr(sQ + p * kBQ * 64), &tm_q, ring.q_full(), p * 64, h, qloc);
+        tma_load(smem_addr(sdO + p * kBQ * 64), &tm_do, ring.q_full(), p * 64, h, qloc);
       }
       ring.template load_kv<T, D, kBK>(&tm_k, &tm_v, sK, sV, n, hk, [&](int t) { return tile.kv_start(key_tile(t)); });
     }
@@ -154,8 +159,14 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   const bool skip_last = a.skip_masked_last && cw == 0 && n >= 2 && n - 1 >= tile.n_par && tile.kv_start(n - 1) >= tile.q0 + 64;
   const int nc = skip_last ? n - 1 : n;  // tiles this consumer walks
 
+  // q, dout, lse, delta and dq hold the rows from row item field 6 on (local queries): packed row
+  // q0 lands there. The dq stores need only h + shift * hq (one int live through the loop, as h
+  // was): an int more, a long, the field in the row item or read again at the end each made ptxas
+  // serialize the wgmmas (C7511)
+  const int shift = kLocal ? __ldg(a.work + blk.item * 8 + 6) - tile.q0 : 0;
   float lse2[2], dlt[2];
-  load_row_lse_delta(lse2, dlt, a.lse, a.delta, h, a.T, row_a, tile.q1);
+  load_row_lse_delta(lse2, dlt, a.lse, a.delta, h, kLocal ? a.Tq : a.T, row_a + shift, tile.q1 + shift);
+  const int dq_head_row = kLocal ? h + shift * a.hq : h;  // dq row r of head h at (r * hq + dq_head_row) * D
   float dq[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
@@ -276,7 +287,8 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   }
 
   const long qs = (long)a.hq * D;
-  T* dqg = reinterpret_cast<T*>(a.dq) + h * D;
+  // (the whole batch's int product as before: its instances' SASS is unchanged)
+  T* dqg = reinterpret_cast<T*>(a.dq) + (kLocal ? (long)dq_head_row * D : dq_head_row * D);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row_a + r * 8;
@@ -288,13 +300,13 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
 template <typename T, int D>
 static cudaError_t dq_ws_t(const DqArgs& a, CUtensorMapDataType dt, cudaStream_t stream, bool pdl) {
   using L = Smem<T, D>;
-  auto k = dq_ws_kernel<T, D>;
+  auto k = a.Tq < a.T ? dq_ws_kernel<T, D, true> : dq_ws_kernel<T, D, false>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (e != cudaSuccess) return e;
-  if (a.num_items == 0 || a.T == 0) return cudaSuccess;
+  if (a.num_items == 0 || a.T == 0 || a.Tq == 0) return cudaSuccess;
   CUtensorMap mq, mdo, mk, mv;
   const int es = (int)sizeof(T);
-  if (!make_map(&mq, a.q, dt, D, a.hq, a.T, kBQ, es) || !make_map(&mdo, a.dout, dt, D, a.hq, a.T, kBQ, es) ||
+  if (!make_map(&mq, a.q, dt, D, a.hq, a.Tq, kBQ, es) || !make_map(&mdo, a.dout, dt, D, a.hq, a.Tq, kBQ, es) ||
       !make_map(&mk, a.k, dt, D, a.hkv, a.T, kBK, es) || !make_map(&mv, a.v, dt, D, a.hkv, a.T, kBK, es))
     return cudaErrorInvalidResourceHandle;  // tensor map encoding failed (driver entry point or arguments)
   if (!pdl) {

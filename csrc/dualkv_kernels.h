@@ -60,6 +60,9 @@ struct DqArgs : BwdInputs {
   int num_items;
   int T, hq, hkv;
   float scale, scale_log2;
+  // rows of q / dout / lse / delta / dq: T, or fewer for local queries (ws dQ kernel only: row
+  // item field 6 is the row of q0 there)
+  int Tq = 0;
 };
 
 // int32 fields of a ws backward kv item (cuda_backend.ws_kv_work)
@@ -119,6 +122,7 @@ int dq_idle_from_env();
 int dq_narrow_from_env();
 // The deterministic dQ kernel, warp-specialized (csrc/dualkv_dq_ws_sm90.cu): same items, math and
 // accumulation order as launch_dq_sm90's (bitwise the same dQ); q, dout, k, v 16-byte aligned (TMA).
+// qa.Tq < qa.T: local queries (launch_dq_sm90 takes all T rows only).
 // Returns cudaErrorInvalidResourceHandle when a TMA tensor map cannot be encoded.
 // pdl: launched as a programmatic dependent launch of the kernel before it in the stream (the
 // deterministic dK/dV kernel, which lets it start once all its CTAs have started); qa.pdl_ticket set.

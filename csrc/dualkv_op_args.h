@@ -131,13 +131,15 @@ inline DeltaArgs delta_args(const at::Tensor& out, const at::Tensor& dout, const
   return a;
 }
 
-// The deterministic dQ kernel's arguments (it takes every query row: q holds T rows)
+// The deterministic dQ kernel's arguments (q holds T rows, or for the ws dQ kernel a
+// context-parallel rank's Tq: the row items' field 6 is then the local row of their first query)
 inline DqArgs dq_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                       const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& row_work,
                       double scale) {
   DqArgs a;
   set_qkv(a, q, k, v, scale);
   set_bwd_inputs(a, dout, lse, delta);
+  a.Tq = q.size(0);
   a.dq = dq.data_ptr();
   a.work = row_work.data_ptr<int>();
   a.num_items = row_work.size(0);

@@ -12,8 +12,8 @@
 //                                deterministic, split_slots=0, tail_slots=0) -> (dq, dk, dv)
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
 //     dQ over row_work (128-row query tiles, cuda_backend's rows128) by the ws dQ kernel, or the
-//     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same): bitwise reproducible, and
-//     where no key tile is split equal to bwd_sm90's deterministic mode; all T query rows
+//     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same; all T query rows only):
+//     bitwise reproducible, and where no key tile is split equal to bwd_sm90's deterministic mode
 //
 // q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
@@ -95,10 +95,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   const int64_t slots = split_slots + tail_slots;
   const BwdInputs in = check_bwd_inputs(dout, q, out, lse, dlse, "Tq");
   if (deterministic) {
-    TORCH_CHECK(q.size(0) == k.size(0), "megatron_dualkv: the deterministic ws backward takes all T = ", k.size(0),
-                " query rows (its dQ kernel has no local queries); q holds ", q.size(0));
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
     check_env_choice(mdkv::dq_kernel_from_env(), "MEGATRON_DUALKV_DQ_KERNEL", "'ws' or 'sm90'");
+    TORCH_CHECK(q.size(0) == k.size(0) || mdkv::dq_kernel_from_env() == 1,
+                "megatron_dualkv: the sm90 dQ kernel (MEGATRON_DUALKV_DQ_KERNEL=sm90) takes all T = ", k.size(0),
+                " query rows; q holds ", q.size(0), " (local queries run on the ws dQ kernel)");
     check_env_choice(mdkv::dq_side_stream_from_env(), "MEGATRON_DUALKV_DQ_STREAM", "'auto', '0', '1' or 'pdl'");
     check_env_choice(mdkv::det_overlap_from_env(), "MEGATRON_DUALKV_DET_OVERLAP", "'0' or '1'");
     check_env_choice(mdkv::dq_skip_from_env(), "MEGATRON_DUALKV_DQ_SKIP", "'0' or '1'");
@@ -205,8 +206,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // refuses a build that reads another format: a format-1 build would take a phase walk for a split
 // part and write outside its workspace, a format-2 one has no kv_tile argument, a format-3 one no
 // narrow_tail, a format-4 one would read a part's slot from the wrong bits, a format-5 one has no
-// persistent argument, a format-6 one reads 8 fields.
-constexpr int64_t kWsListFormat = 7;
+// persistent argument, a format-6 one reads 8 fields. 8: the ws dQ kernel (deterministic backward)
+// reads row item field 6, the local row of its first query, and takes local queries; a format-7
+// build refuses them.
+constexpr int64_t kWsListFormat = 8;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });

@@ -284,10 +284,11 @@ def test_cuda_backend_local_queries_need_the_ws_kernels(monkeypatch):
     assert not ok and "predates" in why
 
 
-def test_deterministic_local_queries_skip_the_cuda_kernel(monkeypatch):
-    """Local queries run on the cuda kernel's fast-mode backward only: with deterministic=True the
-    entry point skips it with that reason (and takes the next backend), while without local
-    queries the cuda kernel keeps the deterministic call."""
+def test_deterministic_local_queries_take_the_ws_dq_kernel(monkeypatch):
+    """Local queries run on the cuda kernel in both modes (deterministic: its ws dQ kernel).
+    With MEGATRON_DUALKV_DQ_KERNEL=sm90, which takes all query rows only, the entry point skips
+    the cuda kernel for deterministic local queries with that reason (and takes the next backend),
+    while fast mode and deterministic calls without local queries keep it."""
     from megatron_dualkv.ops import cuda_backend
     from megatron_dualkv.ops.attention import select_backend
 
@@ -296,10 +297,13 @@ def test_deterministic_local_queries_skip_the_cuda_kernel(monkeypatch):
     monkeypatch.setattr(cuda_backend, "is_available", lambda q=None: (True, ""))
     q = torch.empty(4, 2, 64)
     assert select_backend(q, local_queries=True) == ("cuda", "fastest available")
+    assert select_backend(q, local_queries=True, deterministic=True) == ("cuda", "fastest available")
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "sm90")
+    assert select_backend(q, local_queries=True) == ("cuda", "fastest available")
     assert select_backend(q, local_queries=False, deterministic=True) == ("cuda", "fastest available")
     name, why = select_backend(q, local_queries=True, deterministic=True)
-    assert name != "cuda" and "cuda: local queries run on the fast-mode backward only" in why
-    with pytest.raises(RuntimeError, match="not with deterministic=True"):
+    assert name != "cuda" and "cuda: local queries run on the ws dQ kernel only" in why
+    with pytest.raises(RuntimeError, match="MEGATRON_DUALKV_DQ_KERNEL=sm90 takes all rows"):
         select_backend(q, "cuda", local_queries=True, deterministic=True)
 
 

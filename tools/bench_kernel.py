@@ -33,6 +33,9 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
       # responses of unequal lengths, R (1 - 0.9) to R (1 + 0.9) in a fixed shuffled order (mean R)
   python tools/bench_kernel.py --shapes 16x512x1024 --groups 8 --spread 0.9 --backends cuda,flex-flash
       # a micro-batch of 8 such groups (8 prompts, each with its own 16 responses)
+  python tools/bench_kernel.py --shapes 64x256x1024 --cp 2 --interleave \
+      --backends "cuda,cuda[deterministic=1],flex-triton"
+      # one context-parallel rank: its local queries against all keys (no collectives)
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ SHOW_RUNS = False  # --show-runs: print every timed run's forward / backward ms
 SPREAD = 0.0  # --spread: response lengths from R (1 - SPREAD) to R (1 + SPREAD), mean R
 GROUPS = 1  # --groups: groups (prompts with their responses) per micro-batch
 PROMPT_SPREAD = 0.0  # --prompt-spread: the groups' prompt lengths from P (1 - s) to P (1 + s), mean P
+CP = 1  # --cp: time rank 0 of this many context-parallel ranks (local queries)
 
 
 class Skip(Exception):
@@ -161,6 +165,21 @@ def group_segments(n, p, r) -> SegmentTable:
     return SegmentTable.from_group_lengths(micro_batch(n, p, r), device="cuda")
 
 
+def cp_rank_layout(shape, cp):
+    """(layout, rows, pairs) of rank 0 of `cp` context-parallel ranks on this shape: the layout
+    padded by megatron_dualkv.cp.partition.cp_partition (8 chunks per rank of 128-multiple rows,
+    dealt to balance attention work, as training splits it), the rank's packed rows and the
+    (query, key) pairs they attend."""
+    from megatron_dualkv.cp.partition import cp_partition, key_counts
+    from megatron_dualkv.layout import Group, build_layout
+
+    groups = [Group.of([1] * p, [[1] * r for r in lengths]) for p, lengths in micro_batch(*shape)]
+    part = cp_partition(build_layout(groups), cp)
+    seg = part.layout.segments.to("cuda")
+    rows = part.rows_of(0).to("cuda")
+    return seg, rows, int(key_counts(seg)[rows].sum())
+
+
 def _flex_static_entry(q, k, v, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -210,20 +229,26 @@ def backend_env(name):
 
 
 def packed_inputs(shape):
-    """(layout, q, k, v, dout) of the packed micro-batch [P | R_1 | ... | R_N], fresh random."""
-    seg = group_segments(*shape)
+    """(layout, q, k, v, dout, q_rows) of the packed micro-batch [P | R_1 | ... | R_N], fresh
+    random; with --cp, q and dout hold rank 0's rows (q_rows, else None) and k, v all rows."""
+    seg, rows = group_segments(*shape), None
+    if CP > 1:
+        seg, rows, _ = cp_rank_layout(shape, CP)
     t = seg.num_tokens
-    q, k, v = randn(t, HQ, D), randn(t, HKV, D), randn(t, HKV, D)
+    tq = t if rows is None else rows.numel()
+    q, k, v = randn(tq, HQ, D), randn(t, HKV, D), randn(t, HKV, D)
     for x in (q, k, v):
         x.requires_grad_()
-    return seg, q, k, v, randn(t, HQ, D)
+    return seg, q, k, v, randn(tq, HQ, D), rows
 
 
 def prepare_packed(name, shape, state, fwd_only=False, data=None) -> Packed:
     """cuda / flex-* on the packed micro-batch: fresh inputs (or `data`, packed_inputs' tuple) and
     the first call (compilation for flex, noted with its new graphs)."""
-    seg, q, k, v, dout = data or packed_inputs(shape)
+    seg, q, k, v, dout, rows = data or packed_inputs(shape)
     t = seg.num_tokens
+    if rows is not None and name not in ("cuda", "flex-triton", "flex-flash") and not name.startswith("cuda["):
+        raise Skip("--cp: the cuda and the dynamic flex backends take local queries")
     scale = 1.0 / math.sqrt(D)
     notes = []
 
@@ -240,7 +265,7 @@ def prepare_packed(name, shape, state, fwd_only=False, data=None) -> Packed:
         if not ok:
             raise Skip(why)
         deterministic = env.pop("deterministic", "0") not in ("0", "")
-        fwd = lambda: cuda_backend.attention(q, k, v, seg, scale, deterministic=deterministic)  # noqa: E731
+        fwd = lambda: cuda_backend.attention(q, k, v, seg, scale, deterministic=deterministic, q_rows=rows)  # noqa: E731
     elif name in ("flex-triton", "flex-flash"):
         from megatron_dualkv.ops import flex_backend
 
@@ -255,7 +280,7 @@ def prepare_packed(name, shape, state, fwd_only=False, data=None) -> Packed:
         flex_backend.cached_block_mask(seg)
         torch.cuda.synchronize()
         notes.append(f"mask {1e3 * (time.perf_counter() - t0):.0f} ms")
-        fwd = lambda: flex_backend.attention(q, k, v, seg, scale, kernel=kernel)  # noqa: E731
+        fwd = lambda: flex_backend.attention(q, k, v, seg, scale, kernel=kernel, q_rows=rows)  # noqa: E731
     elif name in ("flex-static", "flex-flash-static"):
         from megatron_dualkv.ops import flex_backend
 
@@ -310,7 +335,7 @@ def run_interleaved(names, shape, warmup, reps, state, fwd_only=False):
     it runs alone. {name: result or status}."""
     ready, results = {}, {}
     data = packed_inputs(shape)
-    input_bytes = sum(x.numel() * x.element_size() for x in data[1:])
+    input_bytes = sum(x.numel() * x.element_size() for x in data[1:5])
 
     def prepared(name):
         base = torch.cuda.memory_allocated()
@@ -450,8 +475,12 @@ def row_for(shape, backend, res):
     n, p, r = shape
     groups = micro_batch(n, p, r)
     dedup, repl = (sum(x) for x in zip(*(group_pairs(gp, lengths) for gp, lengths in groups)))
+    tokens = sum(gp + sum(lengths) for gp, lengths in groups)
+    if CP > 1:  # rank 0's local queries: their pairs, "rows of the rank / packed rows"
+        seg, rows, dedup = cp_rank_layout(shape, CP)
+        tokens = f"{rows.numel()} / {seg.num_tokens}"
     fwd_flops = attention_flops(dedup, HQ, D)
-    base = [n, p, r, sum(gp + sum(lengths) for gp, lengths in groups), backend]
+    base = [n, p, r, tokens, backend]
     if "status" in res:
         return base + [res["status"]] + [""] * (len(COLUMNS) - len(base) - 2) + [res.get("why", "")]
     raw = ""
@@ -531,12 +560,18 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=DEFAULT_HKV,
                     help=f"kv heads (query heads {HQ}; default {DEFAULT_HKV}, Qwen3-8B's; 4 is Qwen3-30B-A3B's)")
     ap.add_argument("--head-dim", type=int, default=DEFAULT_D, choices=(64, 128), help=f"head dim (default {DEFAULT_D})")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="time rank 0 of this many context-parallel ranks: its local queries (the cost-balanced "
+                         "partition of megatron_dualkv.cp) against all keys, no collectives; cuda and dynamic flex only")
     ap.add_argument("--ws-dq-ab", action="store_true",
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
-    global SHOW_RUNS, SPREAD, GROUPS, PROMPT_SPREAD, HKV, D
+    global SHOW_RUNS, SPREAD, GROUPS, PROMPT_SPREAD, HKV, D, CP
     SHOW_RUNS = args.show_runs
+    if args.cp < 1:
+        raise SystemExit(f"--cp must be at least 1, got {args.cp}")
+    CP = args.cp
     if not 0 <= args.spread < 1:
         raise SystemExit(f"--spread must be in [0, 1), got {args.spread}")
     SPREAD = args.spread
@@ -580,6 +615,8 @@ def main(argv=None):
       + ([f"{GROUPS} groups per micro-batch (N, P, R per group)"] if GROUPS > 1 else []) \
       + ([f"prompts of unequal lengths: P (1 - {PROMPT_SPREAD:g}) to P (1 + {PROMPT_SPREAD:g}), shuffled; "
           "P is their mean"] if PROMPT_SPREAD else []) \
+      + ([f"context parallelism: rank 0 of {CP} (its local queries against all keys; T packed is its rows / "
+          "the padded micro-batch's; TF/s count its pairs)"] if CP > 1 else []) \
       + (["interleaved: the packed backends of a shape alternate run by run on the same inputs (timed "
           "rounds in random orders that put each backend in each position equally often); peak GiB of "
           "each from one run of its own"] if args.interleave else [])

@@ -17,8 +17,8 @@ per-token GRPO loss, finalize_model_grads) of a few-layer Qwen3-shaped DualKV mo
    bf16 logprob difference CP=2 vs CP=1 (informational: both are bf16). Also the time of one
    layer's K/V all-gather against the rank's attention forward (why it is not overlapped).
 
-The attention backend is the same for both (default flex: the CUDA kernel does not take local
-queries yet, so CP would fall back to flex anyway and the comparison would mix kernels).
+The attention backend is the same for both (default flex; the exactness phase runs float32,
+which the CUDA kernel does not take).
 Rank 0 prints one JSON summary (and writes --out). Exit status 1 when the exactness check fails.
 Expected time on two H100s: several minutes, most of it FlexAttention compilation (one per dtype,
 head split and local/non-local query configuration); --skip-check / --skip-cost split the run.

@@ -27,7 +27,8 @@ def cp_dualkv_attention(q: Tensor, k: Tensor, v: Tensor, shard: CPShard, group,
                         softmax_scale: Optional[float] = None, backend: Optional[str] = None,
                         deterministic: bool = False) -> Tensor:
     """q [L, Hq, D], k and v [L, Hkv, D]: this rank's rows -> out [L, Hq, D]; differentiable.
-    deterministic: dualkv_attention's (with CP > 1 the cuda kernel then gives way to flex)."""
+    deterministic: dualkv_attention's (with CP > 1 the cuda kernel's dQ is then bitwise the CP = 1
+    dQ of the rank's rows)."""
     if q.shape[0] != shard.num_local or k.shape[0] != shard.num_local or v.shape[0] != shard.num_local:
         raise ValueError(f"context-parallel rank {shard.cp_rank} holds {shard.num_local} rows; "
                          f"q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")

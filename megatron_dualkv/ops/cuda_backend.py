@@ -36,7 +36,9 @@ Local queries (context parallelism, `q_rows`): q holds Tq of the T packed rows (
 chunks) while k, v hold all T. The ws kernels take them with no copy: each query tile carries the
 local row of its first query, each key tile the held query ranges that attend it with their local
 rows; masks use the packed rows, so the result is the whole micro-batch's restricted to q_rows.
-out, lse, dq have Tq rows; dk, dv have T rows (the contributions of the held queries).
+out, lse, dq have Tq rows; dk, dv have T rows (the contributions of the held queries). Both
+backwards take them; the deterministic one's dQ kernel gives each held row bitwise the dQ of the
+whole micro-batch's deterministic backward.
 """
 
 from __future__ import annotations
@@ -102,8 +104,9 @@ def _load() -> tuple[bool, str]:
 # (slot << 20) | (part << 10) | parts (a format-4 build would read its slot from the wrong bits);
 # 6: fwd_ws_sm90 takes persistent; 7: ws kv items of 10 fields (8: a prompt's tail keys at the
 # head of a response's first key tile, 9: where a slot's rows are stored) and bwd_ws_sm90 takes
-# tail_slots.
-WS_LIST_FORMAT = 7
+# tail_slots; 8: the ws dQ kernel reads row item field 6 (q0's row in q) and the deterministic
+# backward takes local queries (a format-7 build would refuse them).
+WS_LIST_FORMAT = 8
 
 
 def _list_format_problem() -> str:
@@ -908,9 +911,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, local: bool)
 
 
 def supports_q_rows(deterministic: bool = False) -> tuple[bool, str]:
-    """Local queries (q_rows) run on the ws kernels, fast-mode backward."""
-    if deterministic:  # its dQ kernel walks every query row of the micro-batch
-        return False, "local queries run on the fast-mode backward only, not with deterministic=True"
+    """Local queries (q_rows) run on the ws kernels; deterministic=True on the ws dQ kernel."""
+    if deterministic and os.environ.get("MEGATRON_DUALKV_DQ_KERNEL", "ws") == "sm90":
+        return False, "local queries run on the ws dQ kernel only; $MEGATRON_DUALKV_DQ_KERNEL=sm90 takes all rows"
     ok, why = _load()
     if not ok:
         return False, why
@@ -935,7 +938,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     short prompts and responses).
     $MEGATRON_DUALKV_CUDA_FWD / $MEGATRON_DUALKV_CUDA_BWD set the defaults.
     q_rows: int64 [Tq], ascending packed rows of q's rows when q holds only some queries (context
-    parallelism) while k, v hold all T rows; runs on the ws kernels, fast-mode backward only.
+    parallelism) while k, v hold all T rows; runs on the ws kernels (the deterministic backward's dQ
+    then gives those rows bitwise as the whole micro-batch's deterministic backward does).
     """
     local = q_rows is not None
     _check(q, k, v, segments, local)
@@ -947,16 +951,20 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                                "predates it: rebuild (python csrc/build_ext.py or pip install -e .)")
     chunks = None
     if local:
-        if fi != "ws" or bi != "ws" or deterministic:
-            raise ValueError(f"DualKV CUDA backend: local queries (q_rows) run on the ws forward and the fast-mode ws "
-                             f"backward only; got fwd_impl={fi!r}, bwd_impl={bi!r}, deterministic={bool(deterministic)} "
-                             "(the flex backend takes the other cases)")
+        if fi != "ws" or bi != "ws":
+            raise ValueError(f"DualKV CUDA backend: local queries (q_rows) run on the ws forward and backward only; "
+                             f"got fwd_impl={fi!r}, bwd_impl={bi!r} (the flex backend takes the other cases)")
+        ok, why = supports_q_rows(deterministic)
+        if not ok:
+            raise ValueError(f"DualKV CUDA backend: {why}")
         if q_rows.device != q.device or q_rows.dim() != 1 or q_rows.shape[0] != q.shape[0]:
             raise ValueError(f"DualKV CUDA backend: q_rows must be [{q.shape[0]}] on {q.device}, "
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")
         chunks = cached_query_chunks(segments, q_rows)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if not deterministic and not local and bi == "ws" and fast_bwd_separate_dq(segments, q.shape[-1]):
+    # (local queries: on the ws dQ kernel only)
+    if (not deterministic and bi == "ws" and fast_bwd_separate_dq(segments, q.shape[-1])
+            and (not local or supports_q_rows(True)[0])):
         deterministic = True  # the faster backward on this layout (fast_bwd_separate_dq)
     # phase-aligned walks start where other CTAs are (order varies); a deterministic split stores
     # each part's dK/dV in a slot of its own and sums them in part order

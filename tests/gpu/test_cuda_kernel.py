@@ -740,39 +740,85 @@ def test_wsbwd_replays_in_a_cuda_graph(mode, monkeypatch):
             assert rel(got, want) < 1e-2, f"{name} replayed: rel {rel(got, want):.3e} vs eager"
 
 
+def local_run(q, k, v, dout, seg, scale, rows, deterministic):
+    """(out, lse, dq, dk, dv) of the rows' local queries (q[rows] against all of k, v)."""
+    ql, kk, vv = q[rows].clone().requires_grad_(True), k.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
+    out, lse = cuda_backend.forward(ql, kk, vv, seg, scale, deterministic=deterministic, q_rows=rows)
+    out.backward(dout[rows])
+    return out.detach(), lse, ql.grad, kk.grad, vv.grad
+
+
 @gpu
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_local_queries(case):
+def test_local_queries(case, deterministic):
     """Local queries (context parallelism): q holds some packed rows, k and v all of them. The ws
     forward gives bitwise the full micro-batch's out and lse on those rows; the ws backward's dq
     (held rows) and dk, dv (all rows, contributions of the held queries) are within the
-    replicated SDPA error of the float64 truth of the same problem (dout zero on other rows)."""
+    replicated SDPA error of the float64 truth of the same problem (dout zero on other rows).
+    Deterministic: dq bitwise the whole micro-batch's deterministic dq on those rows (a row's dQ
+    sums the same key tiles in the same order, whichever rows share its query tile), and two runs
+    bitwise alike."""
     groups, pad, hq, hkv, d, dtype = CASES[case]
     seg = make_segments(groups, pad)
     t = seg.num_tokens
     scale = 1.0 / math.sqrt(d)
     q, k, v, dout = inputs(t, hq, hkv, d, dtype, seed=99 + case + random.randrange(1 << 20))
     rows = cp_like_rows(t, seed=case)
+    full = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
     full_out, full_lse = cuda_backend.forward(q, k, v, seg, scale, fwd_impl="ws")
-    ql, kk, vv = q[rows].clone().requires_grad_(True), k.clone().requires_grad_(True), v.clone().requires_grad_(True)
-    poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
-    out, lse = cuda_backend.forward(ql, kk, vv, seg, scale, q_rows=rows)
-    assert out.shape == ql.shape and lse.shape == (hq, rows.numel())
+    assert torch.equal(full_out, full[0])
+    out, lse, dq, dk, dv = local_run(q, k, v, dout, seg, scale, rows, deterministic)
+    assert out.shape == (rows.numel(), hq, d) and lse.shape == (hq, rows.numel())
     assert torch.equal(out, full_out[rows]) and torch.equal(lse, full_lse[:, rows]), "forward differs from the full batch"
-    out.backward(dout[rows])
+    if deterministic:
+        assert torch.equal(dq, full[2][rows]), "deterministic dq differs from the whole micro-batch's on the held rows"
+        again = local_run(q, k, v, dout, seg, scale, rows, deterministic)
+        for name, a, b in (("dq", dq, again[2]), ("dk", dk, again[3]), ("dv", dv, again[4])):
+            assert torch.equal(a, b), f"deterministic local queries: {name} differs between two runs"
     held = torch.zeros(t, 1, 1, device="cuda", dtype=dout.dtype)
     held[rows] = 1
     masked = dout * held
     _, _, ex_dq, ex_dk, ex_dv = exact(q, k, v, masked, seg, scale)
     _, r_dq, r_dk, r_dv = replicated_sdpa(q, k, v, masked, seg, scale)
     lines = []
-    for name, mine, rep, truth in (("dq", ql.grad, r_dq[rows], ex_dq[rows]), ("dk", kk.grad, r_dk, ex_dk),
-                                   ("dv", vv.grad, r_dv, ex_dv)):
+    for name, mine, rep, truth in (("dq", dq, r_dq[rows], ex_dq[rows]), ("dk", dk, r_dk, ex_dk),
+                                   ("dv", dv, r_dv, ex_dv)):
         assert torch.isfinite(mine).all(), f"{name}: non-finite elements (unwritten or overflow)"
         e_k, e_r = rel(mine, truth), rel(rep, truth)
         lines.append(f"{name}: kernel {e_k:.3e} replicated-SDPA {e_r:.3e}")
         assert e_k <= e_r * SLACK + 1e-7, f"local queries {name}: kernel error {e_k:.3e} > replicated SDPA {e_r:.3e}"
-    print(f"case {case} local queries {rows.numel()} of {t} rows: " + "; ".join(lines))
+    print(f"case {case} local queries {rows.numel()} of {t} rows, deterministic={deterministic}: " + "; ".join(lines))
+
+
+@gpu
+def test_local_queries_fast_mode_takes_the_separate_dq(monkeypatch):
+    """Fast mode with local queries on a layout where it picks the deterministic kernels
+    (`fast_bwd_separate_dq`) is bitwise the deterministic local backward; with
+    MEGATRON_DUALKV_DQ_KERNEL=sm90 (which takes all rows only) it keeps the fused kernel, and a
+    deterministic call names the switch."""
+    seg = make_segments([(128, [512] * 6), (100, [300, 700])])
+    q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    rows = cp_like_rows(seg.num_tokens, seed=11)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "auto")
+    assert cuda_backend.fast_bwd_separate_dq(seg, 128)
+    fast = local_run(q, k, v, dout, seg, 0.1, rows, False)
+    det = local_run(q, k, v, dout, seg, 0.1, rows, True)
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        assert torch.equal(fast[i], det[i]), f"{name}: fast mode with local queries is not the deterministic backward"
+    monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "sm90")
+    fused = local_run(q, k, v, dout, seg, 0.1, rows, False)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
+    forced = local_run(q, k, v, dout, seg, 0.1, rows, False)
+    held = torch.zeros(seg.num_tokens, 1, 1, device="cuda", dtype=dout.dtype)
+    held[rows] = 1
+    _, _, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout * held, seg, 0.1)
+    for name, i, truth in (("dq", 2, ex_dq[rows]), ("dk", 3, ex_dk), ("dv", 4, ex_dv)):
+        assert rel(fused[i], truth) < 2 * rel(forced[i], truth) + 1e-6, f"{name}: the sm90-dQ fallback is not the fused kernel"
+        assert rel(fast[i], truth) <= rel(forced[i], truth) * SLACK + 1e-6, f"{name}: separate dQ worse than fused"
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_DQ_KERNEL=sm90"):
+        local_run(q, k, v, dout, seg, 0.1, rows, True)
 
 
 @gpu
@@ -786,8 +832,11 @@ def test_local_queries_through_the_entry_point():
     assert entry.select_backend(q[rows], local_queries=True)[0] == "cuda"
     out = entry.dualkv_attention(q[rows].contiguous(), k, v, seg, 0.1, q_rows=rows)
     assert torch.equal(out, cuda_backend.attention(q, k, v, seg, 0.1)[rows])
-    with pytest.raises(ValueError, match="local queries"):
-        cuda_backend.attention(q[rows].contiguous(), k, v, seg, 0.1, deterministic=True, q_rows=rows)
+    assert entry.select_backend(q[rows], local_queries=True, deterministic=True)[0] == "cuda"
+    out = entry.dualkv_attention(q[rows].contiguous(), k, v, seg, 0.1, q_rows=rows, deterministic=True)
+    assert torch.equal(out, cuda_backend.attention(q, k, v, seg, 0.1)[rows])
+    with pytest.raises(ValueError, match="ws forward and backward only"):
+        cuda_backend.attention(q[rows].contiguous(), k, v, seg, 0.1, fwd_impl="sm90", q_rows=rows)
     with pytest.raises(ValueError, match="ascending"):
         cuda_backend.attention(q[rows].contiguous(), k, v, seg, 0.1, q_rows=rows.flip(0))
 
