@@ -57,6 +57,9 @@ def parse_args():
                     help="vocabulary (Qwen3's 151936 makes float32 logits of 32K edges ~20 GiB at CP=1)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--backend", default="auto", help="attention backend for both CP=1 and CP=2 (auto: the entry point's choice, the CUDA kernel on Hopper)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="config.deterministic_mode in the cost phase: the attention's deterministic backward "
+                         "(on the CUDA kernel also with CP's local queries)")
     ap.add_argument("--chunks-per-rank", type=int, default=8)
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--check-size", default=None, help="qwen3_config size of the exactness phase (default: --size)")
@@ -153,6 +156,7 @@ def run(args, device, cp: int, dtype, layout, data, weights, iters: int, chunk_m
             size or args.size, num_layers=args.layers, vocab_size=args.vocab, params_dtype=dtype,
             bf16=dtype == torch.bfloat16, context_parallel_size=cp, use_cpu_initialization=device.type == "cpu",
             calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
+            deterministic_mode=bool(args.deterministic and dtype == torch.bfloat16),
             **({"cp_comm_type": comm} if cp > 1 else {}),
         )
         model = build_dualkv_model(cfg, pg_collection=pgs, use_transformer_engine=False, attention_backend=backend,
@@ -290,7 +294,8 @@ def main():
         raise SystemExit("run with exactly 2 ranks: torchrun --nproc_per_node 2 tools/gpu_cp_check.py")
     chunk_multiple = 2 if args.tiny else 128
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "model": f"qwen3 {args.size} shape, {args.layers} layers, vocab {args.vocab}", "backend": args.backend}
+               "model": f"qwen3 {args.size} shape, {args.layers} layers, vocab {args.vocab}", "backend": args.backend,
+               "deterministic_cost_phase": args.deterministic}
     ok = True
     with shims:
         # 1. exactness in float32
