@@ -187,3 +187,25 @@ def test_head_dim_is_one_the_kernels_take():
     with pytest.raises(SystemExit) as exc:
         bench_kernel.main(["--head-dim", "96"])
     assert exc.value.code == 2  # argparse's usage error, not the later "needs a CUDA GPU"
+
+
+def test_cp_times_one_rank_of_the_balanced_partition(monkeypatch):
+    """--cp W: a rank's rows are its chunks of the cost-balanced partition (every padded row on
+    exactly one rank), its pairs what its rows attend (the ranks' pairs add up to the padded
+    layout's), and the row's FLOPs count them; --cp 0 is named."""
+    shape = (16, 500, 1024)
+    parts = [bench_kernel.cp_rank_layout(shape, 2, rank, device="cpu") for rank in (0, 1)]
+    seg = parts[0][0]
+    rows = torch.cat([p[1] for p in parts]).sort().values
+    assert torch.equal(rows, torch.arange(seg.num_tokens))
+    whole = bench_kernel.row_for(shape, "cuda", dict(fwd=1.0, bwd=2.0, fb=3.0, peak=1.0, notes=[]))
+    monkeypatch.setattr(bench_kernel, "CP", 2)
+    monkeypatch.setattr(bench_kernel, "cp_rank_layout", lambda s, cp: parts[0])
+    mine = bench_kernel.row_for(shape, "cuda", dict(fwd=1.0, bwd=2.0, fb=3.0, peak=1.0, notes=[]))
+    assert mine[3] == f"{parts[0][1].numel()} / {seg.num_tokens}"
+    from megatron_dualkv.cp.partition import key_counts
+
+    assert sum(p[2] for p in parts) == int(key_counts(seg).sum())
+    assert int(mine[8]) == pytest.approx(int(whole[8]) * parts[0][2] / (parts[0][2] + parts[1][2]), rel=0.02)
+    with pytest.raises(SystemExit, match="--cp must be"):
+        bench_kernel.main(["--cp", "0"])

@@ -165,8 +165,8 @@ def group_segments(n, p, r) -> SegmentTable:
     return SegmentTable.from_group_lengths(micro_batch(n, p, r), device="cuda")
 
 
-def cp_rank_layout(shape, cp):
-    """(layout, rows, pairs) of rank 0 of `cp` context-parallel ranks on this shape: the layout
+def cp_rank_layout(shape, cp, rank=0, device="cuda"):
+    """(layout, rows, pairs) of one of `cp` context-parallel ranks on this shape: the layout
     padded by megatron_dualkv.cp.partition.cp_partition (8 chunks per rank of 128-multiple rows,
     dealt to balance attention work, as training splits it), the rank's packed rows and the
     (query, key) pairs they attend."""
@@ -175,8 +175,8 @@ def cp_rank_layout(shape, cp):
 
     groups = [Group.of([1] * p, [[1] * r for r in lengths]) for p, lengths in micro_batch(*shape)]
     part = cp_partition(build_layout(groups), cp)
-    seg = part.layout.segments.to("cuda")
-    rows = part.rows_of(0).to("cuda")
+    seg = part.layout.segments.to(device)
+    rows = part.rows_of(rank).to(device)
     return seg, rows, int(key_counts(seg)[rows].sum())
 
 
@@ -637,6 +637,8 @@ def main(argv=None):
                 res = together[backend]
             elif over_budget():
                 res = {"status": "skipped", "why": "time budget"}
+            elif backend.startswith("sdpa") and CP > 1:
+                res = {"status": "skipped", "why": "--cp: the replicated batch has no local queries"}
             else:
                 t0 = time.perf_counter()
                 if backend.startswith("sdpa"):
