@@ -910,10 +910,17 @@ def _check(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, local: bool)
         )
 
 
+def _local_dq_problem() -> str:
+    """'' when the deterministic backward's dQ kernel takes local queries (the ws one), else why not."""
+    if os.environ.get("MEGATRON_DUALKV_DQ_KERNEL", "ws") == "sm90":
+        return "local queries run on the ws dQ kernel only; $MEGATRON_DUALKV_DQ_KERNEL=sm90 takes all rows"
+    return ""
+
+
 def supports_q_rows(deterministic: bool = False) -> tuple[bool, str]:
     """Local queries (q_rows) run on the ws kernels; deterministic=True on the ws dQ kernel."""
-    if deterministic and os.environ.get("MEGATRON_DUALKV_DQ_KERNEL", "ws") == "sm90":
-        return False, "local queries run on the ws dQ kernel only; $MEGATRON_DUALKV_DQ_KERNEL=sm90 takes all rows"
+    if deterministic and _local_dq_problem():
+        return False, _local_dq_problem()
     ok, why = _load()
     if not ok:
         return False, why
@@ -954,9 +961,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
         if fi != "ws" or bi != "ws":
             raise ValueError(f"DualKV CUDA backend: local queries (q_rows) run on the ws forward and backward only; "
                              f"got fwd_impl={fi!r}, bwd_impl={bi!r} (the flex backend takes the other cases)")
-        ok, why = supports_q_rows(deterministic)
-        if not ok:
-            raise ValueError(f"DualKV CUDA backend: {why}")
+        if deterministic and _local_dq_problem():
+            raise ValueError(f"DualKV CUDA backend: {_local_dq_problem()}")
         if q_rows.device != q.device or q_rows.dim() != 1 or q_rows.shape[0] != q.shape[0]:
             raise ValueError(f"DualKV CUDA backend: q_rows must be [{q.shape[0]}] on {q.device}, "
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")
@@ -964,7 +970,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # (local queries: on the ws dQ kernel only)
     if (not deterministic and bi == "ws" and fast_bwd_separate_dq(segments, q.shape[-1])
-            and (not local or supports_q_rows(True)[0])):
+            and not (local and _local_dq_problem())):
         deterministic = True  # the faster backward on this layout (fast_bwd_separate_dq)
     # phase-aligned walks start where other CTAs are (order varies); a deterministic split stores
     # each part's dK/dV in a slot of its own and sums them in part order
