@@ -247,12 +247,12 @@ def prepare_packed(name, shape, state, fwd_only=False, data=None) -> Packed:
     the first call (compilation for flex, noted with its new graphs)."""
     seg, q, k, v, dout, rows = data or packed_inputs(shape)
     t = seg.num_tokens
-    if rows is not None and name not in ("cuda", "flex-triton", "flex-flash") and not name.startswith("cuda["):
-        raise Skip("--cp: the cuda and the dynamic flex backends take local queries")
     scale = 1.0 / math.sqrt(D)
     notes = []
 
     base, env = backend_env(name)
+    if rows is not None and base not in ("cuda", "flex-triton", "flex-flash"):
+        raise Skip("--cp: the cuda and the dynamic flex backends take local queries")
     if base == "cuda":
         try:
             from megatron_dualkv.ops import cuda_backend

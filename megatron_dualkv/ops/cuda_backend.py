@@ -919,8 +919,8 @@ def _local_dq_problem() -> str:
 
 def supports_q_rows(deterministic: bool = False) -> tuple[bool, str]:
     """Local queries (q_rows) run on the ws kernels; deterministic=True on the ws dQ kernel."""
-    if deterministic and _local_dq_problem():
-        return False, _local_dq_problem()
+    if deterministic and (why := _local_dq_problem()):
+        return False, why
     ok, why = _load()
     if not ok:
         return False, why
@@ -961,8 +961,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
         if fi != "ws" or bi != "ws":
             raise ValueError(f"DualKV CUDA backend: local queries (q_rows) run on the ws forward and backward only; "
                              f"got fwd_impl={fi!r}, bwd_impl={bi!r} (the flex backend takes the other cases)")
-        if deterministic and _local_dq_problem():
-            raise ValueError(f"DualKV CUDA backend: {_local_dq_problem()}")
+        if deterministic and (why := _local_dq_problem()):
+            raise ValueError(f"DualKV CUDA backend: {why}")
         if q_rows.device != q.device or q_rows.dim() != 1 or q_rows.shape[0] != q.shape[0]:
             raise ValueError(f"DualKV CUDA backend: q_rows must be [{q.shape[0]}] on {q.device}, "
                              f"got {tuple(q_rows.shape)} on {q_rows.device}")

@@ -151,13 +151,16 @@ def poison_allocator(nbytes):
     del x
 
 
-def run_kernel(q, k, v, dout, seg, scale, deterministic=False, impl=None, bwd_impl=None):
-    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+def run_kernel(q, k, v, dout, seg, scale, deterministic=False, impl=None, bwd_impl=None, rows=None):
+    """(out, lse, dq, dk, dv); rows: local queries, q[rows] and dout[rows] against all of k, v."""
     poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
+    if rows is not None:
+        q, dout = q[rows], dout[rows]
+    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     # impl names the forward (and the backward unless bwd_impl is given)
     bwd = bwd_impl or (impl if impl in cuda_backend.BWD_IMPLS else ("sm90" if impl else None))
     out, lse = cuda_backend.forward(qq, kk, vv, seg, scale, deterministic=deterministic, fwd_impl=impl,
-                                    bwd_impl=bwd)
+                                    bwd_impl=bwd, q_rows=rows)
     out.backward(dout)
     torch.cuda.synchronize()
     return out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad
@@ -740,15 +743,6 @@ def test_wsbwd_replays_in_a_cuda_graph(mode, monkeypatch):
             assert rel(got, want) < 1e-2, f"{name} replayed: rel {rel(got, want):.3e} vs eager"
 
 
-def local_run(q, k, v, dout, seg, scale, rows, deterministic):
-    """(out, lse, dq, dk, dv) of the rows' local queries (q[rows] against all of k, v)."""
-    ql, kk, vv = q[rows].clone().requires_grad_(True), k.clone().requires_grad_(True), v.clone().requires_grad_(True)
-    poison_allocator(8 * (q.numel() + 2 * k.numel()) * q.element_size() + (64 << 20))
-    out, lse = cuda_backend.forward(ql, kk, vv, seg, scale, deterministic=deterministic, q_rows=rows)
-    out.backward(dout[rows])
-    return out.detach(), lse, ql.grad, kk.grad, vv.grad
-
-
 @gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -769,12 +763,12 @@ def test_local_queries(case, deterministic):
     full = run_kernel(q, k, v, dout, seg, scale, deterministic=True, impl="ws", bwd_impl="ws")
     full_out, full_lse = cuda_backend.forward(q, k, v, seg, scale, fwd_impl="ws")
     assert torch.equal(full_out, full[0])
-    out, lse, dq, dk, dv = local_run(q, k, v, dout, seg, scale, rows, deterministic)
+    out, lse, dq, dk, dv = run_kernel(q, k, v, dout, seg, scale, deterministic, rows=rows)
     assert out.shape == (rows.numel(), hq, d) and lse.shape == (hq, rows.numel())
     assert torch.equal(out, full_out[rows]) and torch.equal(lse, full_lse[:, rows]), "forward differs from the full batch"
     if deterministic:
         assert torch.equal(dq, full[2][rows]), "deterministic dq differs from the whole micro-batch's on the held rows"
-        again = local_run(q, k, v, dout, seg, scale, rows, deterministic)
+        again = run_kernel(q, k, v, dout, seg, scale, deterministic, rows=rows)
         for name, a, b in (("dq", dq, again[2]), ("dk", dk, again[3]), ("dv", dv, again[4])):
             assert torch.equal(a, b), f"deterministic local queries: {name} differs between two runs"
     held = torch.zeros(t, 1, 1, device="cuda", dtype=dout.dtype)
@@ -806,13 +800,13 @@ def test_local_queries_fast_mode_takes_the_separate_dq(monkeypatch):
     monkeypatch.setattr(cuda_backend._DualKVFunction, "apply", lambda *a: modes.append(a[8]) or apply(*a))
     monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "auto")
     assert cuda_backend.fast_bwd_separate_dq(seg, 128)
-    fast = local_run(q, k, v, dout, seg, 0.1, rows, False)
-    det = local_run(q, k, v, dout, seg, 0.1, rows, True)
+    fast = run_kernel(q, k, v, dout, seg, 0.1, False, rows=rows)
+    det = run_kernel(q, k, v, dout, seg, 0.1, True, rows=rows)
     assert modes == [True, True]
     for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
         assert torch.equal(fast[i], det[i]), f"{name}: fast mode with local queries is not the deterministic backward"
     monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "sm90")
-    fused = local_run(q, k, v, dout, seg, 0.1, rows, False)
+    fused = run_kernel(q, k, v, dout, seg, 0.1, False, rows=rows)
     assert modes[-1] is False, "fast mode under MEGATRON_DUALKV_DQ_KERNEL=sm90 must keep the fused kernel"
     held = torch.zeros(seg.num_tokens, 1, 1, device="cuda", dtype=dout.dtype)
     held[rows] = 1
@@ -822,7 +816,7 @@ def test_local_queries_fast_mode_takes_the_separate_dq(monkeypatch):
         for label, run in (("separate", fast), ("fused", fused)):
             assert rel(run[i], truth) <= rel(rep, truth) * SLACK + 1e-7, f"{name} ({label}): worse than replicated SDPA"
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_DQ_KERNEL=sm90"):
-        local_run(q, k, v, dout, seg, 0.1, rows, True)
+        run_kernel(q, k, v, dout, seg, 0.1, True, rows=rows)
 
 
 @gpu
