@@ -177,6 +177,43 @@ __device__ __forceinline__ void store_ds_qk(T* panel, int row0, int lane, const 
   }
 }
 
+// The CTA's work: kv item `item` of kv head hk, query heads part head_part of head_parts.
+// kv-head-major block order: the CTAs resident at once work for one kv head, so they share its
+// query tiles and dQ rows in L2 (item-major, 8 kv heads' working sets competed: 3.4x the DRAM
+// traffic on (16, 32768, 2048), docs/PERF.md "Backward: where the time goes"). In two bands:
+// first the long items (0 .. n_long - 1, field 5 of every item; cuda_backend.ws_kv_work) of
+// every kv head, then the others. One band, head-major throughout, started the last kv head's
+// long prompt tiles after most short response tiles: the tail made (28, 4096, R) ~11 % slower.
+// Head parts (a.head_parts > 1, the long band only): each long item runs as head_parts CTAs per kv
+// head, part j walking query heads j * group / head_parts .. of the group, kv-head-major then
+// part-major, so that the CTAs resident at once walk the same query heads: walks of 8 heads (Hq /
+// Hkv = 32 / 4) drift apart by one causal walk per head, and the resident CTAs' rows no longer fit
+// in L2 (docs/PERF.md, thirty-third session). The parts' dK/dV are summed like a split key tile's,
+// in slots from a.head_slot_base. A long item that is a prompt tail's part (field 7 > 0) keeps its
+// own slot and is walked whole by part 0; its other parts' CTAs exit at once (head_part >=
+// head_parts).
+struct BlockMap {
+  int item, hk, head_parts, head_part;
+};
+__device__ __forceinline__ BlockMap map_block(const DkvArgs& a, unsigned block) {
+  const int n_long = a.work[5];
+  const int long_blocks = n_long * a.hkv * a.head_parts;
+  const bool in_long = (int)block < long_blocks;
+  const int band_block = (int)block - (in_long ? 0 : long_blocks);  // block index inside its band
+  const int band_items = in_long ? n_long : a.num_items - n_long;
+  const int parts = in_long ? a.head_parts : 1;
+  const int hkp = band_block / band_items, item = (in_long ? 0 : n_long) + band_block % band_items;
+  const bool whole = parts > 1 && a.work[item * kWsKvItemInts + 7] > 0;  // a tail's part
+  return {item, hkp / parts, whole ? 1 : parts, hkp % parts};
+}
+// this CTA's index, read again where the block map is needed after the walk: recomputing the map
+// there keeps its fields out of the consumers' registers during the walk
+__device__ __forceinline__ unsigned ctaid_x() {
+  unsigned x;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  return x;
+}
+
 // kOverlap (deterministic dK/dV only, 64-row steps; the default there): each consumer issues S^T
 // of step i and dV, dK of step i - 1 back to back and computes P^T of step i under the dV / dK
 // MMAs (part of the forward's intra-warpgroup overlap; see overlapped_walk below)
@@ -219,19 +256,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto parity = [](int i) { return (uint32_t)((i / kStagesB) & 1); };
 
   const int group = a.hq / a.hkv;
-  // kv-head-major block order: the CTAs resident at once work for one kv head, so they share its
-  // query tiles and dQ rows in L2 (item-major, 8 kv heads' working sets competed: 3.4x the DRAM
-  // traffic on (16, 32768, 2048), docs/PERF.md "Backward: where the time goes"). In two bands:
-  // first the long items (0 .. n_long - 1, field 5 of every item; cuda_backend.ws_kv_work) of
-  // every kv head, then the others. One band, head-major throughout, started the last kv head's
-  // long prompt tiles after most short response tiles: the tail made (28, 4096, R) ~11 % slower.
-  const int n_long = a.work[5];
-  const int long_blocks = n_long * a.hkv;
-  const bool in_long = (int)blockIdx.x < long_blocks;
-  const int band_block = (int)blockIdx.x - (in_long ? 0 : long_blocks);   // block index inside its band
-  const int band_items = in_long ? n_long : a.num_items - n_long;
-  const int item = (in_long ? 0 : n_long) + band_block % band_items;
-  const int hk = band_block / band_items;
+  const BlockMap bm = map_block(a, blockIdx.x);
+  if (bm.head_part >= bm.head_parts) return;  // a tail's part beyond part 0: walked whole there
+  const int item = bm.item, hk = bm.hk;
+  const int heads = group / bm.head_parts;          // query heads this CTA walks
+  const int h0 = hk * group + bm.head_part * heads;  // the first of them
   const int* w = a.work + item * kWsKvItemInts;
   const int k0 = w[0], k1 = w[1], rlo = w[2], rhi = w[3], per_head = kWide ? w[6] : w[4];
   // fields 8, 9: a response's first key tile that holds its prompt's partial last key tile
@@ -247,18 +276,18 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // grid) into `parts` items of which this is number `part`; its dK/dV go to the fp32 workspace
   // (epilogue below): fast mode, added into slot `slot`; deterministic (!kDQ), stored into slot
   // slot + part, the tile's parts numbering consecutive slots from `slot`
-  // (step i: query head hk * group + i / per_head, its query tile i % per_head, or with
+  // (step i: query head h0 + i / per_head, its query tile i % per_head, or with
   // a.reverse_rows per_head - 1 - i % per_head)
   // or < 0: -1 - phase slot, the walk of a root's key tile whose child ranges come first and are
   // walked from the step other CTAs of this kv head walk now (below)
-  const int split = w[7] > 0 ? w[7] : 0;
+  // (head parts are summed the same way: see the epilogue)
   // !kDQ (the deterministic mode's dK/dV): always list order, so the sums' order never varies
   const int phase_slot = kDQ && w[7] < 0 ? -1 - w[7] : -1;
-  const int n_iter = per_head * group;
+  const int n_iter = per_head * heads;
   // The overlapped deterministic walk: a key tile whose first range is its own causal rows from
   // k0 on starts each head's walk (reversed, on a split list: ends it) with rows k0..k0 + 63,
   // which lie before all of consumer 1's keys (k0 + 64 on): every score of that step is masked
-  // for it. Those `group` diagonal steps are walked last, after every head's other
+  // for it. Those `heads` diagonal steps are walked last, after every head's other
   // steps, and consumer 1 stops before them (it only releases their stages and takes their turns
   // empty): no branch around a wgmma issue, which made ptxas fence every register-operand wgmma
   // and cost the kernel 24-37 % (docs/PERF.md, twenty-ninth session §4). Only the sums' order
@@ -379,9 +408,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
           n_kid += (g.y - g.x + QT - 1) / QT;
         }
       int kid_base = 0;
-      // diag_last: the first group * (per_head - 1) steps are the heads' walks without their
-      // diagonal step (query tile 0), then the group diagonal steps, head by head
-      const int per_lead = diag_last ? per_head - 1 : per_head, lead = group * per_lead;
+      // diag_last: the first heads * (per_head - 1) steps are the heads' walks without their
+      // diagonal step (query tile 0), then the `heads` diagonal steps, head by head
+      const int per_lead = diag_last ? per_head - 1 : per_head, lead = heads * per_lead;
       for (int i = 0; i < n_iter; ++i) {
         const int st = stage(i);
         if (i >= kStagesB) mbar_wait(empty(st), parity(i) ^ 1);
@@ -396,7 +425,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
           // In list order a diag_last walk takes query tiles 1 .. per_head - 1 here.
           j = a.reverse_rows ? per_head - 1 - r : r + (diag_last ? 1 : 0);
         }
-        const int h = hk * group + hj;
+        const int h = h0 + hj;
         if (n_kid > 0 && j < n_kid) {
           if (j == 0) {
             int at = 0;
@@ -526,7 +555,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         }
       }
     } else {
-      const int ql = td.z, h = hk * group + i / per_head;
+      const int ql = td.z, h = h0 + i / per_head;
       float* acc = a.dq_acc + (long)h * D + (D == 128 ? cw * 64 : 0);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -546,7 +575,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto reduce_dq = [&](int i) {
     if constexpr (kTmaDQ) {
       const int4 td = sTd[i % kTdRing];
-      const int h = hk * group + i / per_head;
+      const int h = h0 + i / per_head;
       float* stg = sStg + cw * QT * 64;
       fence_proxy_async();  // the generic-proxy stores before the TMA (async proxy) reads them
       // the whole tile is stored: only warp 0 (the issuer's) waits; warps 1-3 arrive (release:
@@ -802,7 +831,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       if (lane == 0) mbar_arrive(empty(stage(n - 1)));
     };
     // consumer 1 of a diag_last walk stops before the diagonal steps (see diag_last)
-    const int n_run = diag_last && cw == 1 ? n_iter - group : n_iter;
+    const int n_run = diag_last && cw == 1 ? n_iter - heads : n_iter;
     if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
     if (n_run > 0) walk(n_run);
     for (int it = n_run; it < n_iter; ++it) {
@@ -833,6 +862,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const long ks = (long)a.hkv * D;
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
   T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
+  // a split part (field 7 > 0) or a head part: part `part` of `parts` summed in slot `slot` (head
+  // parts: slot base + item, deterministic base + item * head_parts, each part then in a slot of
+  // its own)
+  const BlockMap em = map_block(a, ctaid_x());
+  const int split_field = w[7] > 0 ? w[7] : 0;
+  const bool split = em.head_parts > 1 || split_field > 0;
   // rows k0..slot_end - 1 are the slot's (a split part: all; a prompt tail's response tile: the tail keys)
   const int slot_end = split ? (tail ? k0 + tail : k1) : k0;
   bool last = false;
@@ -842,7 +877,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // shapes). Deterministic: stored into a slot of its own, and the sum is taken over the parts'
     // slots in part order, so it does not depend on which part finishes when. Either way the part
     // that finishes last (a ticket after __threadfence) converts the sums to T.
-    const int slot = split >> 20, part = (split >> 10) & 1023, parts = split & 1023;
+    const int slot = em.head_parts > 1 ? a.head_slot_base + (kDQ ? em.item : em.item * em.head_parts)
+                                       : split_field >> 20;
+    const int part = em.head_parts > 1 ? em.head_part : (split_field >> 10) & 1023;
+    const int parts = em.head_parts > 1 ? em.head_parts : split_field & 1023;
     auto slot_acc = [&](int s) { return a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D; };
     // deterministic: part p's own sums; a prompt tail's parts (t rows each) packed kKVB / t to a slot
     const int tail_rows = w[8] < 0 ? -w[8] : w[8];
@@ -961,7 +999,9 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
       !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, QT, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, QT, es) ||
       (kTmaDQ && with_dq && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq, QT)))
     return cudaErrorInvalidResourceHandle;
-  k<<<(unsigned)ka.num_items * ka.hkv, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
+  // (head parts: the long items' CTAs head_parts times)
+  const long blocks = ((long)ka.num_items + (long)ka.long_items * (ka.head_parts - 1)) * ka.hkv;
+  k<<<(unsigned)blocks, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
   return cudaGetLastError();
 }
 

@@ -87,6 +87,12 @@ struct DkvArgs : BwdInputs {
   // deterministic dK/dV kernel (kOverlap): the diagonal steps last, consumer 1 stopping before
   // them (MEGATRON_DUALKV_DET_SKIP, det_skip_from_env; an A/B switch)
   int skip_masked_steps = 1;
+  // ws backward: the first long_items kv items (the long band, item field 5) run as head_parts CTAs
+  // per kv head, each walking group / head_parts of the group's query heads, their dK/dV summed in
+  // split_acc slots from head_slot_base (slot base + item, or base + item * head_parts + part in
+  // deterministic mode); 1: one CTA walks them all. Not on lists with split parts (a prompt
+  // tail's part keeps its own slot, walked whole; cuda_backend.ws_head_parts)
+  int head_parts = 1, long_items = 0, head_slot_base = 0;
   int num_items;
   int T, hq, hkv;
   int Tq;  // rows of q / dout / lse / delta / dq_acc: T, or fewer for local queries (ws only)

@@ -9,7 +9,8 @@
 //     full width; cuda_backend.ws_fwd_narrow_tail chooses); persistent: one CTA per SM takes the
 //     query tiles in turn (bitwise the same out and lse; cuda_backend.ws_fwd_persistent chooses)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
-//                                deterministic, split_slots=0, tail_slots=0) -> (dq, dk, dv)
+//                                deterministic, split_slots=0, tail_slots=0, head_parts=1, long_items=0)
+//                                -> (dq, dk, dv)
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
 //     dQ over row_work (128-row query tiles, cuda_backend's rows128) by the ws dQ kernel, or the
 //     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same; all T query rows only):
@@ -23,7 +24,10 @@
 // split tile in fast mode, one per part in deterministic mode; the workspace is allocated here).
 // tail_slots: the slots after those of the prompt tails' parts (cuda_backend.tail_slots; kv item
 // field 8 != 0). Each must be that function's count for this list and mode: the kernel indexes
-// the workspace by the parts' field 7 without a bound check.
+// the workspace by the parts' field 7 without a bound check. head_parts > 1 (a list with no split
+// part, cuda_backend.ws_head_parts): the first long_items kv items (item field 5, the long band)
+// run as head_parts CTAs per kv head, each walking Hq / Hkv / head_parts query heads, their dK/dV
+// summed in a workspace slot per item (deterministic: per item and part) after the tails' slots.
 // The work lists come from megatron_dualkv/ops/cuda_backend.py, which also registers the fake
 // implementations.
 
@@ -80,7 +84,8 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots,
-                                                                   int64_t tail_slots) {
+                                                                   int64_t tail_slots, int64_t head_parts,
+                                                                   int64_t long_items) {
   check_ws_qkv(q, k, v);
   check_env_choice(mdkv::ws_dq_mode_from_env(), "MEGATRON_DUALKV_WS_DQ", "'atomic' or 'tma'");
   check_env_choice(mdkv::ws_bwd_query_tile_from_env(), "MEGATRON_DUALKV_WS_BWD_QTILE", "'64' or '80'");
@@ -92,7 +97,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
               " is not between 0 and the ", kv_work.size(0), " kv items");
   TORCH_CHECK(tail_slots >= 0 && split_slots + tail_slots <= kv_work.size(0), "megatron_dualkv: tail_slots = ",
               tail_slots, " is not between 0 and the ", kv_work.size(0) - split_slots, " kv items past the split slots");
-  const int64_t slots = split_slots + tail_slots;
+  const int64_t group = q.size(1) / k.size(1);
+  TORCH_CHECK(head_parts >= 1 && group % head_parts == 0, "megatron_dualkv: head_parts = ", head_parts,
+              " does not divide the ", group, " query heads per kv head");
+  TORCH_CHECK(head_parts == 1 || split_slots == 0, "megatron_dualkv: head_parts = ", head_parts,
+              " on a list with key tiles split by query rows (split_slots = ", split_slots,
+              "); head parts take unsplit lists only");
+  TORCH_CHECK(long_items >= 0 && long_items <= kv_work.size(0), "megatron_dualkv: long_items = ", long_items,
+              " is not between 0 and the ", kv_work.size(0), " kv items");
+  // head parts: a slot per long item (deterministic: per long item and part) after the tails'
+  const int64_t slots = split_slots + tail_slots + (head_parts > 1 ? long_items * (deterministic ? head_parts : 1) : 0);
   const BwdInputs in = check_bwd_inputs(dout, q, out, lse, dlse, "Tq");
   if (deterministic) {
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
@@ -129,6 +143,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   // a split list is grouped by response (cuda_backend.split_by_rows) and has no phase-aligned walk
   ka.reverse_rows = split_slots > 0 && mdkv::ws_reverse_rows_from_env() == 1;
   ka.skip_masked_steps = deterministic && mdkv::det_skip_from_env() == 1;
+  ka.head_parts = (int)head_parts;
+  ka.long_items = head_parts > 1 ? (int)long_items : 0;
+  ka.head_slot_base = (int)(split_slots + tail_slots);
   // dK/dV of the key tiles split by query rows and of the prompt tails, and their tickets: fast
   // mode, one slot of sums per split tile or tail (zeroed: parts add into it); deterministic, one
   // slot per part, a prompt tail's t-row parts packed 128 // t to a slot (each part stores its rows
@@ -208,8 +225,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // narrow_tail, a format-4 one would read a part's slot from the wrong bits, a format-5 one has no
 // persistent argument, a format-6 one reads 8 fields. 8: the ws dQ kernel (deterministic backward)
 // reads row item field 6, the local row of its first query, and takes local queries; a format-7
-// build refuses them.
-constexpr int64_t kWsListFormat = 8;
+// build refuses them. 9: bwd_ws_sm90 takes head_parts and long_items (a format-8 build has neither).
+constexpr int64_t kWsListFormat = 9;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
@@ -217,7 +234,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True, bool persistent=False");
   m.def(ws_fwd.c_str());
   std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
-  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0, int tail_slots=0");
+  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0, int tail_slots=0, int head_parts=1, int long_items=0");
   m.def(ws_bwd.c_str());
 }
 

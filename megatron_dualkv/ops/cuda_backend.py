@@ -106,7 +106,7 @@ def _load() -> tuple[bool, str]:
 # head of a response's first key tile, 9: where a slot's rows are stored) and bwd_ws_sm90 takes
 # tail_slots; 8: the ws dQ kernel reads row item field 6 (q0's row in q) and the deterministic
 # backward takes local queries (a format-7 build would refuse them).
-WS_LIST_FORMAT = 8
+WS_LIST_FORMAT = 9
 
 
 def _list_format_problem() -> str:
@@ -650,8 +650,10 @@ class Work:
                                          long_band_by_segment=long_band_by_segment, merge_tails=merge_tails)
         self.ws_kv, self.ws_ranges = mk(ws_items), mk(ws_ranges)
         per_part = _per_part(split)
-        # the op's workspace slots: (split parts', prompt tails')
+        # the op's workspace slots: (split parts', prompt tails'); the long band's items (field 5)
         self.ws_slots = (split_slots(ws_items, per_part), tail_slots(ws_items, per_part))
+        self.ws_long_items = ws_items[0][5] if ws_items else 0
+        self.ws_long_own_share = long_band_own_share(ws_items, ws_ranges)
         if not self.local:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
@@ -763,6 +765,54 @@ def ws_fwd_persistent(work: "Work", head_dim: int) -> bool:
     return work.fwd_mean_keys < PERSISTENT_FWD_KEYS.get(head_dim, 0)
 
 
+def long_band_own_share(items: list, ranges: list) -> float:
+    """The share of the ws backward's long band (the first n_long kv items) steps that walk the
+    key tiles' own causal rows rather than their children's (64-row query tiles; 0 for an empty
+    list)."""
+    own = kids = 0
+    for it in items[:items[0][5]] if items else []:
+        for lo, hi, _, causal in ranges[it[2]:it[3]]:
+            n = _ceil(hi - lo, TILE)
+            own, kids = (own + n, kids) if causal else (own, kids + n)
+    return own / (own + kids) if own + kids else 0.0
+
+
+# Head parts of the ws backward (`ws_head_parts`): two CTAs per long key tile and kv head, each
+# walking half the group's query heads, where the group has HEAD_PARTS_GROUP query heads or more
+# and the long band walks mostly its own causal rows (OWN_SHARE or more of its steps). A CTA
+# walking 8 query heads one after the other drifts from the others by a causal walk per head, and
+# at Hq / Hkv = 32 / 4 the resident CTAs' rows overflow L2: the backward read and wrote 2-3x the
+# DRAM bytes of 32 / 8 and ran at a lower clock. H100, Hq / Hkv = 32 / 4, 2 parts / 1, bwd
+# (docs/PERF.md, thirty-third session): DRAM bytes halved; 0.96-0.99 where the own rows are half
+# the long band's steps or more ((4, 512, 32768), (4, 500, 32768), (16, 65536, R), (2, 1024,
+# 32768)), 1.00-1.03 where the children's walks dominate ((28, 16384 | 32768, 2048), (16, 1000,
+# 8192), (8, 1024, 16384)). At 32 / 8 (4 heads a CTA) no gain was clear.
+HEAD_PARTS_GROUP = 8
+OWN_SHARE = 0.5
+
+
+def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int, int]:
+    """(head_parts, long_items) of the ws backward on this list (bwd_ws_sm90): the long band's
+    items as head_parts CTAs per kv head, each walking group / head_parts query heads, their dK/dV
+    summed in fp32 slots; (1, 0): one CTA per key tile and kv head walks the whole group. Not on
+    lists split by query rows (short walks already); a prompt tail's part is walked whole.
+    auto: 2 where the group has HEAD_PARTS_GROUP query heads or more and the long band walks its
+    own causal rows in OWN_SHARE of its steps or more, else 1; 1 also with split_on=False
+    (MEGATRON_DUALKV_WS_SPLIT=0: every key tile one CTA, for A/B timings and bitwise checks).
+    MEGATRON_DUALKV_WS_HEAD_PARTS=1, 2, 4 or 8 forces the parts where the list allows them (an A/B
+    switch; it must divide the group)."""
+    forced = _env_choice("MEGATRON_DUALKV_WS_HEAD_PARTS", ("auto", "1", "2", "4", "8"))
+    if forced == "auto":
+        parts = 2 if split_on and group >= HEAD_PARTS_GROUP and work.ws_long_own_share >= OWN_SHARE else 1
+    else:
+        parts = int(forced)
+    if group % parts:
+        raise ValueError(f"MEGATRON_DUALKV_WS_HEAD_PARTS={parts} does not divide the {group} query heads per kv head")
+    if parts == 1 or work.ws_slots[0] or not work.ws_long_items:
+        return 1, 0
+    return parts, work.ws_long_items
+
+
 def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:
     """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs, per_part), or
     None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA, prompt tails not merged either;
@@ -835,7 +885,7 @@ def _register_python_side() -> None:
         torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_ws_fake)
 
     def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, split_slots=0,
-                  tail_slots=0):
+                  tail_slots=0, head_parts=1, long_items=0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     torch.library.register_fake("megatron_dualkv::bwd")(_bwd_fake)
@@ -848,7 +898,7 @@ class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
     bwd_kind, slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
     (`_lists` picks the work lists that match both kinds); slots: the ws backward's workspace slots
-    (key tiles split by query rows, prompt tails: `Work.ws_slots`); fwd_tiling: the ws forward's
+    (key tiles split by query rows, prompt tails: `Work.ws_slots`; then `ws_head_parts`); fwd_tiling: the ws forward's
     (keys per tile, narrowed parent tail, persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`,
     `ws_fwd_persistent`)."""
 
@@ -981,6 +1031,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     work = work_tensors(segments, q.device, chunks, split, fast_ws_bwd and ws_phase(), ws_long_band_by_segment(),
                         split is not None and ws_tail_merge())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
+    if bwd_kernel == "ws":
+        slots = (*slots, *ws_head_parts(work, q.shape[1] // k.shape[1], split is not None))
     d = q.shape[-1]
     fwd_tiling = (ws_fwd_tile(work, d), ws_fwd_narrow_tail(), ws_fwd_persistent(work, d)) if fi == "ws" else (128, False, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,

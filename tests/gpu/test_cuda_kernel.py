@@ -667,6 +667,57 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("tails", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hq, hkv, parts, d", [(32, 4, 2, 128), (32, 4, 8, 128), (8, 2, 2, 128), (8, 2, 4, 64)])
+def test_wsbwd_head_parts(hq, hkv, parts, d, deterministic, tails, monkeypatch):
+    """The long band's key tiles as `parts` CTAs per kv head, each walking its share of the group's
+    query heads, their dK/dV summed in fp32 slots (MEGATRON_DUALKV_WS_HEAD_PARTS), against one CTA
+    walking them all: the same inputs, dq, dk, dv within bf16 rounding and no worse against
+    float64, every element written (poisoned buffers); deterministic mode bitwise reproducible with
+    parts (each part stores its sums, which the last one adds in part order) and its dq (the dQ
+    kernel's) bitwise unchanged. Lists split by query rows take no head parts, and this small grid
+    would split: either the split is off (no prompt tail merged either), or (tails) the list is
+    built for 8 SMs, which splits nothing and merges the 1000-token prompt's 104 tail keys into its
+    responses' first key tiles; two of those tail parts lie in the long band and are walked whole,
+    their slots before the head parts'."""
+    seg = make_segments([(1000, [1, 300, 1029, 64]), (256, [17] * 9)], pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    if tails:
+        monkeypatch.setitem(cuda_backend._SM_COUNTS, q.device, 8)
+    else:
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
+    # the lists forward() builds
+    split = cuda_backend.ws_split(q, k, per_part=deterministic)
+    work = cuda_backend.work_tensors(seg, q.device, None, split, not deterministic, merge_tails=tails)
+    items = work.ws_kv.tolist()
+    head_parts, long_items = cuda_backend.ws_head_parts(work, hq // hkv)
+    assert head_parts == parts and 0 < long_items < len(items), (head_parts, long_items, len(items))
+    assert work.ws_slots[0] == 0 and (work.ws_slots[1] > 0) == tails, work.ws_slots
+    assert any(it[7] > 0 for it in items[:long_items]) == tails, "tail parts in the long band"
+    ex = exact(q, k, v, dout, seg, 0.1)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
+    whole = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
+    split = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
+    assert_close_no_worse(split, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head", finite=True)
+    if deterministic:
+        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
+        assert_same_bits([split, again], ["dq", "dk", "dv"], "between two deterministic runs with head parts")
+        assert torch.equal(split[2], whole[2]), "dq (the dQ kernel's) changed with head parts"
+
+
+@gpu
+def test_wsbwd_head_parts_must_divide_the_group(monkeypatch):
+    seg = make_segments([(300, [100, 200])])
+    q, k, v, _ = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=0)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "8")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_HEAD_PARTS=8 does not divide the 4 query heads"):
+        cuda_backend.forward(q, k, v, seg, 0.1)
+
+
+@gpu
 @pytest.mark.parametrize("case", [1, 3, 4])  # the layouts whose key tiles split (CASES)
 @pytest.mark.parametrize("mode", ["auto", "auto, one queue", "pdl", "1"])
 def test_wsbwd_deterministic_dq_beside_dkdv(case, mode, monkeypatch):
@@ -1414,6 +1465,48 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
     monkeypatch.setenv("MEGATRON_DUALKV_WS_FWD_PERSISTENT", "yes")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_FWD_PERSISTENT must be 'auto', '0' or '1'"):
         cuda_backend.ws_fwd_persistent(work, 128)
+
+
+@pytest.mark.parametrize("groups, hkv, group, parts", [
+    ([(512, [32768] * 4)], 4, 8, 2),       # long responses: the long band walks its own rows
+    ([(65536, [2048] * 16)], 4, 8, 2),     # a long prompt: own rows half the long band's steps
+    ([(65536, [2048] * 16)], 8, 4, 1),     # 4 query heads per kv head: one CTA walks them
+    ([(32768, [2048] * 28)], 4, 8, 1),     # the children's walks dominate
+    ([(1000, [8192] * 16)], 4, 8, 1),      # the same, behind a prompt tail
+    ([(512, [1024] * 16)], 4, 8, 1),       # split by query rows: no head parts
+])
+def test_ws_head_parts_rule(groups, hkv, group, parts, monkeypatch):
+    """ws_head_parts: 2 CTAs per long key tile and kv head at HEAD_PARTS_GROUP query heads per kv
+    head or more where the long band walks its own causal rows in OWN_SHARE of its steps or more,
+    never on a list split by query rows; the switch forces 1, 2, 4 or 8 where the list allows,
+    names itself when it does not divide the group or is anything else. long_band_own_share
+    counts the long band's 64-row steps over causal ranges against those over children."""
+    seg = make_segments(groups, device="cpu")
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_HEAD_PARTS", raising=False)
+    work = cuda_backend.Work(seg, torch.device("cpu"), split=(hkv, group, 132, False), phase=True)
+    items, ranges = work.ws_kv.tolist(), work.ws_ranges.tolist()
+    n_long = items[0][5]
+    steps = [(-(-(b - a) // 64), c) for it in items[:n_long] for a, b, _, c in ranges[it[2]:it[3]]]
+    own = sum(n for n, c in steps if c)
+    assert work.ws_long_items == n_long
+    assert work.ws_long_own_share == (own / sum(n for n, _ in steps) if steps else 0.0)
+    split = work.ws_slots[0] > 0
+    assert cuda_backend.ws_head_parts(work, group) == ((parts, n_long) if parts > 1 else (1, 0))
+    assert cuda_backend.ws_head_parts(work, group, split_on=False) == (1, 0)  # MEGATRON_DUALKV_WS_SPLIT=0
+    assert parts == 1 or (group >= cuda_backend.HEAD_PARTS_GROUP
+                          and work.ws_long_own_share >= cuda_backend.OWN_SHARE and not split)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "2")
+    assert cuda_backend.ws_head_parts(work, group) == ((1, 0) if split else (2, n_long))
+    assert cuda_backend.ws_head_parts(work, group, split_on=False) == ((1, 0) if split else (2, n_long))
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
+    assert cuda_backend.ws_head_parts(work, group) == (1, 0)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "8")
+    if group % 8:
+        with pytest.raises(ValueError, match=f"HEAD_PARTS=8 does not divide the {group} query heads"):
+            cuda_backend.ws_head_parts(work, group)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "3")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_HEAD_PARTS must be 'auto', '1', '2', '4' or '8'"):
+        cuda_backend.ws_head_parts(work, group)
 
 
 @pytest.mark.parametrize("groups, local", [
