@@ -2,6 +2,8 @@
 tile) each resident CTA touches per step, replayed through an LRU cache.
 
     python csrc/ws_l2_model.py 16 32768 2048        (about 3 minutes: 11 schedules x 3 caches)
+    python csrc/ws_l2_model.py 4 512 32768 --hkv 4 --head-parts 1,2,4 --only-committed
+        (Hq / Hkv = 32 / 4; the committed lists with the long band in 1, 2 and 4 head parts)
 
 The work lists are cuda_backend.ws_kv_work's; 132 CTAs are resident (one per SM), a new one
 starts, in block order, where one ends; every step touches one 64 KB object (the Q and dO tiles,
@@ -30,11 +32,11 @@ kernel with that grid measured DRAM 43 -> 27 GB and L2 hit 89.6 -> 93.5 % (docs/
 "Eleventh session"). The phase-aligned walks: 37 -> 14 % (jitter 0.05) in the model; measured
 DRAM 32.8 -> 20.0 GB, L2 hit 91.5 -> 95.0 % (docs/PERF.md, "Fourteenth session").
 """
+import argparse
 import collections
 import heapq
 import itertools
 import random
-import sys
 
 from megatron_dualkv.layout import SegmentTable
 from megatron_dualkv.ops.cuda_backend import split_slots, ws_kv_work
@@ -82,17 +84,26 @@ def kernel_blocks(n_items, hkv, group, order):
     return [(it, tuple(range(hk * group, (hk + 1) * group))) for it, hk in pairs]
 
 
-def banded_blocks(items, hkv, group):
-    """The kernel's grid as dkdv_ws_kernel maps it: the first n_long items (field 5) of every kv
-    head, then the rest, kv-head-major within each band; every CTA walks its kv head's group."""
+def banded_blocks(items, hkv, group, head_parts=1):
+    """The kernel's grid as dkdv_ws_kernel maps it (map_block): the first n_long items (field 5)
+    of every kv head, then the rest, kv-head-major within each band; every CTA walks its kv head's
+    group, or with head_parts > 1 a long item's CTA part j of it (kv-head-major, then part-major;
+    a prompt tail's part, field 7 > 0, walked whole by part 0)."""
     n_long = items[0][5]
     blocks = []
-    for b in range(len(items) * hkv):
-        in_long = b < n_long * hkv
-        bb = b - (0 if in_long else n_long * hkv)
+    for b in range(len(items) * hkv + n_long * hkv * (head_parts - 1)):
+        in_long = b < n_long * hkv * head_parts
+        bb = b - (0 if in_long else n_long * hkv * head_parts)
         band = n_long if in_long else len(items) - n_long
-        hk = bb // band
-        blocks.append(((0 if in_long else n_long) + bb % band, tuple(range(hk * group, (hk + 1) * group))))
+        parts = head_parts if in_long else 1
+        it = (0 if in_long else n_long) + bb % band
+        hk, part = divmod(bb // band, parts)
+        if parts > 1 and items[it][7] > 0:
+            if part:
+                continue
+            parts = 1
+        heads = group // parts
+        blocks.append((it, tuple(range(hk * group + part * heads, hk * group + (part + 1) * heads))))
     return blocks
 
 
@@ -140,14 +151,23 @@ def miss_rate(items, ranges, blocks, kids_first, heads_inner, cache_mb, jitter, 
 
 
 def main() -> None:
-    n, p, r = (int(x) for x in sys.argv[1:4])
-    hq, hkv = 32, 8
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("n", type=int)
+    ap.add_argument("p", type=int)
+    ap.add_argument("r", type=int)
+    ap.add_argument("--hkv", type=int, default=8, help="kv heads (Hq = 32)")
+    ap.add_argument("--head-parts", default="1", help="comma-separated head parts of the committed lists' long band")
+    ap.add_argument("--only-committed", action="store_true", help="skip the historical schedules")
+    args = ap.parse_args()
+    n, p, r = args.n, args.p, args.r
+    hq, hkv = 32, args.hkv
     group = hq // hkv
     items, ranges = ws_kv_work(SegmentTable.from_group_lengths([(p, [r] * n)]))
-    schedules = [(f"{order}-major", kernel_blocks(len(items), hkv, group, order), kids_first, heads_inner)
-                 for order, kids_first, heads_inner in itertools.product(("item", "kv-head"), (False, True), (False, True))]
-    schedules += [(f"1 query head per CTA, {'row order' if row else 'heaviest first'}",
-                   head_blocks(items, hq, row), False, False) for row in (False, True)]
+    schedules = [] if args.only_committed else (
+        [(f"{order}-major", kernel_blocks(len(items), hkv, group, order), kids_first, heads_inner)
+         for order, kids_first, heads_inner in itertools.product(("item", "kv-head"), (False, True), (False, True))]
+        + [(f"1 query head per CTA, {'row order' if row else 'heaviest first'}",
+            head_blocks(items, hq, row), False, False) for row in (False, True)])
     # the committed lists: key tiles that outlast the grid split by query rows, grouped by response
     # (cuda_backend.split_by_rows), else phase-aligned walks (_phase_walks); their own item and
     # range lists, in the kernel's band order
@@ -158,8 +178,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     # a split list's walks take each head's query tiles last first (dkdv_ws_kernel, reverse_rows)
     split = split_slots(s_items) > 0
-    schedules.append(("committed (bands, split by rows when a tile outlasts the grid, else phase-aligned walks)",
-                      banded_blocks(s_items, hkv, group), False, False))
+    for parts in (int(x) for x in args.head_parts.split(",")):
+        if group % parts or (parts > 1 and split_slots(s_items)):
+            raise SystemExit(f"{parts} head parts: they must divide the group of {group} and the list must be unsplit")
+        schedules.append(("committed (bands, split by rows when a tile outlasts the grid, else phase-aligned walks)"
+                          + (f", long band in {parts} head parts" if parts > 1 else ""),
+                          banded_blocks(s_items, hkv, group, parts), False, False))
     if split:
         schedules.append(("committed, the split list's walks in list order (MEGATRON_DUALKV_WS_REVERSE_ROWS=0)",
                           banded_blocks(s_items, hkv, group), False, False))
