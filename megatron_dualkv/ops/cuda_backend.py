@@ -105,7 +105,8 @@ def _load() -> tuple[bool, str]:
 # 6: fwd_ws_sm90 takes persistent; 7: ws kv items of 10 fields (8: a prompt's tail keys at the
 # head of a response's first key tile, 9: where a slot's rows are stored) and bwd_ws_sm90 takes
 # tail_slots; 8: the ws dQ kernel reads row item field 6 (q0's row in q) and the deterministic
-# backward takes local queries (a format-7 build would refuse them).
+# backward takes local queries (a format-7 build would refuse them); 9: bwd_ws_sm90 takes
+# head_parts and long_items (`ws_head_parts`).
 WS_LIST_FORMAT = 9
 
 
@@ -898,9 +899,9 @@ class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
     bwd_kind, slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
     (`_lists` picks the work lists that match both kinds); slots: the ws backward's workspace slots
-    (key tiles split by query rows, prompt tails: `Work.ws_slots`; then `ws_head_parts`); fwd_tiling: the ws forward's
-    (keys per tile, narrowed parent tail, persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`,
-    `ws_fwd_persistent`)."""
+    (key tiles split by query rows, prompt tails: `Work.ws_slots`), then its head parts and long
+    items (`ws_head_parts`); fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
+    persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`, `ws_fwd_persistent`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
