@@ -778,33 +778,40 @@ def long_band_own_share(items: list, ranges: list) -> float:
     return own / (own + kids) if own + kids else 0.0
 
 
-# Head parts of the ws backward (`ws_head_parts`): two CTAs per long key tile and kv head, each
-# walking half the group's query heads, where the group has HEAD_PARTS_GROUP query heads or more
-# and the long band walks mostly its own causal rows (OWN_SHARE or more of its steps). A CTA
-# walking 8 query heads one after the other drifts from the others by a causal walk per head, and
-# at Hq / Hkv = 32 / 4 the resident CTAs' rows overflow L2: the backward read and wrote 2-3x the
-# DRAM bytes of 32 / 8 and ran at a lower clock. H100, Hq / Hkv = 32 / 4, 2 parts / 1, bwd
-# (docs/PERF.md, thirty-third session): DRAM bytes halved; 0.96-0.99 where the own rows are half
-# the long band's steps or more ((4, 512, 32768), (4, 500, 32768), (16, 65536, R), (2, 1024,
-# 32768)), 1.00-1.03 where the children's walks dominate ((28, 16384 | 32768, 2048), (16, 1000,
-# 8192), (8, 1024, 16384)). At 32 / 8 (4 heads a CTA) no gain was clear.
+# Head parts of the ws backward (`ws_head_parts`): the long band's key tiles as several CTAs per
+# kv head, each walking its share of the group's query heads, their dK/dV summed in fp32 slots. A
+# CTA walks its heads one after the other; the children's walks are phase-aligned, but its own
+# causal rows differ in length from tile to tile, so the resident CTAs drift apart by about an own
+# walk per head, and past ~4 of them their rows overflow L2 (at Hq / Hkv = 32 / 4 the backward read
+# and wrote 2-3x the DRAM bytes of 32 / 8 and ran at a lower clock). A CTA's own walks: group x the
+# long band's own share of steps. Where the group has HEAD_PARTS_GROUP query heads or more and they
+# reach OWN_WALKS, the fewest parts (a power of two up to 8, the counts the GPU tests cover) that
+# leave a CTA OWN_WALKS_PER_PART or fewer; each part adds a K/V load, a prologue and an fp32 slot
+# add per key tile, so more parts than that cost. H100, interleaved, bwd (docs/PERF.md,
+# thirty-third and thirty-fourth sessions): 32 / 4, 2 parts / 1: 0.96-0.99 where own walks >= 4,
+# 1.00-1.03 below; 4 parts / 2: 0.97-0.99 at 5.3-7.7 walks (level on (2, 1024, 32768)), level at
+# 4. 32 / 2, against 1 part: 0.93-0.97 at 8-15 walks with 4-8 parts, 0.97 at 5.3 with 2 or 4
+# (8: 0.98). At 32 / 8 (4 heads a
+# CTA), 2 parts were 0.97-0.98 on (4, 512, 32768) and 1.01 on (2, 1024, 32768) and
+# (4, 4096, 16384): not taken.
 HEAD_PARTS_GROUP = 8
-OWN_SHARE = 0.5
+OWN_WALKS = 4.0
+OWN_WALKS_PER_PART = 2.5  # 2 with room: P = 2 N R gives 4.004 walks at group 8
 
 
 def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int, int]:
     """(head_parts, long_items) of the ws backward on this list (bwd_ws_sm90): the long band's
     items as head_parts CTAs per kv head, each walking group / head_parts query heads, their dK/dV
-    summed in fp32 slots; (1, 0): one CTA per key tile and kv head walks the whole group. Not on
-    lists split by query rows (short walks already); a prompt tail's part is walked whole.
-    auto: 2 where the group has HEAD_PARTS_GROUP query heads or more and the long band walks its
-    own causal rows in OWN_SHARE of its steps or more, else 1; 1 also with split_on=False
-    (MEGATRON_DUALKV_WS_SPLIT=0: every key tile one CTA, for A/B timings and bitwise checks).
-    MEGATRON_DUALKV_WS_HEAD_PARTS=1, 2, 4 or 8 forces the parts where the list allows them (an A/B
-    switch; it must divide the group)."""
+    summed in fp32 slots (deterministic mode: one slot per part); (1, 0): one CTA per key tile and
+    kv head walks the whole group. Not on lists split by query rows (short walks already); a
+    prompt tail's part is walked whole.
+    auto (`auto_head_parts`) from the CTA's own causal walks, group x the long band's own share of
+    steps; 1 also with split_on=False (MEGATRON_DUALKV_WS_SPLIT=0: every key tile one CTA, for A/B
+    timings and bitwise checks). MEGATRON_DUALKV_WS_HEAD_PARTS=1, 2, 4 or 8 forces the parts where
+    the list allows them (an A/B switch; it must divide the group)."""
     forced = _env_choice("MEGATRON_DUALKV_WS_HEAD_PARTS", ("auto", "1", "2", "4", "8"))
     if forced == "auto":
-        parts = 2 if split_on and group >= HEAD_PARTS_GROUP and work.ws_long_own_share >= OWN_SHARE else 1
+        parts = auto_head_parts(group, work.ws_long_own_share) if split_on else 1
     else:
         parts = int(forced)
     if group % parts:
@@ -812,6 +819,20 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
     if parts == 1 or work.ws_slots[0] or not work.ws_long_items:
         return 1, 0
     return parts, work.ws_long_items
+
+
+def auto_head_parts(group: int, own_share: float) -> int:
+    """1 below HEAD_PARTS_GROUP query heads per kv head or OWN_WALKS own walks per CTA (group x
+    own_share); else the fewest parts, a power of two up to 8 dividing the group, that leave a CTA
+    OWN_WALKS_PER_PART own walks or fewer (group 8: 2 parts at share 0.5-0.625, 4 above; group 16:
+    2 at 0.25-0.3125, 4 up to 0.625, 8 above)."""
+    walks = group * own_share
+    parts = 1
+    if group < HEAD_PARTS_GROUP or walks < OWN_WALKS:
+        return parts
+    while walks / parts > OWN_WALKS_PER_PART and parts < 8 and group % (parts * 2) == 0:
+        parts *= 2
+    return parts
 
 
 def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:

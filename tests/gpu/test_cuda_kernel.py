@@ -669,7 +669,8 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
 @gpu
 @pytest.mark.parametrize("tails", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("hq, hkv, parts, d", [(32, 4, 2, 128), (32, 4, 8, 128), (8, 2, 2, 128), (8, 2, 4, 64)])
+@pytest.mark.parametrize("hq, hkv, parts, d", [(32, 4, 2, 128), (32, 4, 8, 128), (32, 2, 8, 128), (8, 2, 2, 128),
+                                                (8, 2, 4, 64)])
 def test_wsbwd_head_parts(hq, hkv, parts, d, deterministic, tails, monkeypatch):
     """The long band's key tiles as `parts` CTAs per kv head, each walking its share of the group's
     query heads, their dK/dV summed in fp32 slots (MEGATRON_DUALKV_WS_HEAD_PARTS), against one CTA
@@ -705,6 +706,43 @@ def test_wsbwd_head_parts(hq, hkv, parts, d, deterministic, tails, monkeypatch):
     if deterministic:
         again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
         assert_same_bits([split, again], ["dq", "dk", "dv"], "between two deterministic runs with head parts")
+        assert torch.equal(split[2], whole[2]), "dq (the dQ kernel's) changed with head parts"
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hq, hkv, parts, d", [(32, 4, 2, 128), (8, 2, 4, 64)])
+def test_wsbwd_head_parts_local_queries(hq, hkv, parts, d, deterministic, monkeypatch):
+    """Head parts on a rank's local queries (context parallelism): the lists are built from the
+    held rows' runs, and the long band's key tiles walk only those rows. With parts against one CTA
+    per kv head on the same inputs: dq (held rows), dk, dv within bf16 rounding and no worse
+    against the float64 truth (dout zero on the rows not held), every element written;
+    deterministic mode bitwise reproducible and its dq (the dQ kernel's) unchanged. Fast mode runs
+    the fused kernel (MEGATRON_DUALKV_FAST_BWD=fused; auto would take the deterministic kernels on
+    this layout)."""
+    seg = make_segments([(1000, [1, 300, 1029, 64]), (256, [17] * 9)], pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    rows = cp_like_rows(seg.num_tokens, seed=5)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
+    work = cuda_backend.work_tensors(seg, q.device, cuda_backend.cached_query_chunks(seg, rows), None,
+                                     not deterministic)
+    head_parts, long_items = cuda_backend.ws_head_parts(work, hq // hkv)
+    assert head_parts == parts and 0 < long_items < len(work.ws_kv.tolist()), (head_parts, long_items)
+    held = torch.zeros(seg.num_tokens, 1, 1, device="cuda", dtype=dout.dtype)
+    held[rows] = 1
+    o, l, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout * held, seg, 0.1)
+    ex = (o, l, ex_dq[rows], ex_dk, ex_dv)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
+    whole = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
+    split = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
+    assert_close_no_worse(split, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head (local queries)",
+                          finite=True)
+    if deterministic:
+        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, rows=rows)
+        assert_same_bits([split, again], ["dq", "dk", "dv"], "between two deterministic local runs with head parts")
         assert torch.equal(split[2], whole[2]), "dq (the dQ kernel's) changed with head parts"
 
 
@@ -1468,19 +1506,22 @@ def test_ws_forward_key_tile_rule(groups, local, monkeypatch):
 
 
 @pytest.mark.parametrize("groups, hkv, group, parts", [
-    ([(512, [32768] * 4)], 4, 8, 2),       # long responses: the long band walks its own rows
+    ([(512, [32768] * 4)], 4, 8, 4),       # long responses: the long band walks its own rows
     ([(65536, [2048] * 16)], 4, 8, 2),     # a long prompt: own rows half the long band's steps
     ([(65536, [2048] * 16)], 8, 4, 1),     # 4 query heads per kv head: one CTA walks them
     ([(32768, [2048] * 28)], 4, 8, 1),     # the children's walks dominate
+    ([(32768, [2048] * 16)], 2, 16, 4),    # a third of the steps own rows, 16 query heads
+    ([(32768, [2048] * 28)], 2, 16, 1),    # a fifth: 3.6 heads' own walks
     ([(1000, [8192] * 16)], 4, 8, 1),      # the same, behind a prompt tail
     ([(512, [1024] * 16)], 4, 8, 1),       # split by query rows: no head parts
 ])
 def test_ws_head_parts_rule(groups, hkv, group, parts, monkeypatch):
-    """ws_head_parts: 2 CTAs per long key tile and kv head at HEAD_PARTS_GROUP query heads per kv
-    head or more where the long band walks its own causal rows in OWN_SHARE of its steps or more,
-    never on a list split by query rows; the switch forces 1, 2, 4 or 8 where the list allows,
-    names itself when it does not divide the group or is anything else. long_band_own_share
-    counts the long band's 64-row steps over causal ranges against those over children."""
+    """ws_head_parts: head parts per long key tile and kv head at HEAD_PARTS_GROUP query heads per
+    kv head or more where a CTA would walk OWN_WALKS heads' own causal rows or more (group x the
+    long band's share of steps over causal ranges), as many as leave it 2.5 such walks, never on a
+    list split by query rows; the switch forces 1, 2, 4 or 8 where the list allows, names itself when it does not
+    divide the group or is anything else. long_band_own_share counts the long band's 64-row steps
+    over causal ranges against those over children."""
     seg = make_segments(groups, device="cpu")
     monkeypatch.delenv("MEGATRON_DUALKV_WS_HEAD_PARTS", raising=False)
     work = cuda_backend.Work(seg, torch.device("cpu"), split=(hkv, group, 132, False), phase=True)
@@ -1493,8 +1534,13 @@ def test_ws_head_parts_rule(groups, hkv, group, parts, monkeypatch):
     split = work.ws_slots[0] > 0
     assert cuda_backend.ws_head_parts(work, group) == ((parts, n_long) if parts > 1 else (1, 0))
     assert cuda_backend.ws_head_parts(work, group, split_on=False) == (1, 0)  # MEGATRON_DUALKV_WS_SPLIT=0
-    assert parts == 1 or (group >= cuda_backend.HEAD_PARTS_GROUP
-                          and work.ws_long_own_share >= cuda_backend.OWN_SHARE and not split)
+    assert parts == 1 or (not split and parts == cuda_backend.auto_head_parts(group, work.ws_long_own_share))
+    # the CTA's own walks, group x share: none below 8 query heads or 4 walks, then the fewest parts
+    # (powers of two up to 8 dividing the group) that leave 2.5 walks or fewer
+    auto = cuda_backend.auto_head_parts
+    assert [auto(4, 1.0), auto(8, 0.49), auto(8, 0.5), auto(8, 0.625), auto(8, 0.63), auto(8, 1.0)] == [1, 1, 2, 2, 4, 4]
+    assert [auto(16, 0.24), auto(16, 0.3), auto(16, 0.33), auto(16, 0.62), auto(16, 0.67)] == [1, 2, 4, 4, 8]
+    assert [auto(12, 1.0), auto(10, 1.0), auto(9, 1.0), auto(32, 1.0)] == [4, 2, 1, 8]
     monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "2")
     assert cuda_backend.ws_head_parts(work, group) == ((1, 0) if split else (2, n_long))
     assert cuda_backend.ws_head_parts(work, group, split_on=False) == ((1, 0) if split else (2, n_long))
