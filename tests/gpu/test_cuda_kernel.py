@@ -670,7 +670,7 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
 @pytest.mark.parametrize("tails", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("hq, hkv, parts, d", [(32, 4, 2, 128), (32, 4, 8, 128), (32, 2, 8, 128), (8, 2, 2, 128),
-                                                (8, 2, 4, 64)])
+                                                (8, 2, 4, 64), (24, 2, 4, 128), (20, 2, 2, 64)])
 def test_wsbwd_head_parts(hq, hkv, parts, d, deterministic, tails, monkeypatch):
     """The long band's key tiles as `parts` CTAs per kv head, each walking its share of the group's
     query heads, their dK/dV summed in fp32 slots (MEGATRON_DUALKV_WS_HEAD_PARTS), against one CTA
@@ -681,7 +681,8 @@ def test_wsbwd_head_parts(hq, hkv, parts, d, deterministic, tails, monkeypatch):
     would split: either the split is off (no prompt tail merged either), or (tails) the list is
     built for 8 SMs, which splits nothing and merges the 1000-token prompt's 104 tail keys into its
     responses' first key tiles; two of those tail parts lie in the long band and are walked whole,
-    their slots before the head parts'."""
+    their slots before the head parts'. Groups of 12 and 10 query heads: parts of 3 and 5 heads,
+    as auto_head_parts takes them."""
     seg = make_segments([(1000, [1, 300, 1029, 64]), (256, [17] * 9)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, torch.bfloat16, seed=random.randrange(1 << 20))
     if tails:
