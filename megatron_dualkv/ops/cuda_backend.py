@@ -791,9 +791,8 @@ def long_band_own_share(items: list, ranges: list) -> float:
 # thirty-third and thirty-fourth sessions): 32 / 4, 2 parts / 1: 0.96-0.99 where own walks >= 4,
 # 1.00-1.03 below; 4 parts / 2: 0.97-0.99 at 5.3-7.7 walks (level on (2, 1024, 32768)), level at
 # 4. 32 / 2, against 1 part: 0.93-0.97 at 8-15 walks with 4-8 parts, 0.97 at 5.3 with 2 or 4
-# (8: 0.98). At 32 / 8 (4 heads a
-# CTA), 2 parts were 0.97-0.98 on (4, 512, 32768) and 1.01 on (2, 1024, 32768) and
-# (4, 4096, 16384): not taken.
+# (8: 0.98). At 32 / 8 (4 heads a CTA), 2 parts were 0.97-0.98 on (4, 512, 32768) and 1.01 on
+# (2, 1024, 32768) and (4, 4096, 16384): not taken.
 HEAD_PARTS_GROUP = 8
 OWN_WALKS = 4.0
 OWN_WALKS_PER_PART = 2.5  # 2 with room: P = 2 N R gives 4.004 walks at group 8

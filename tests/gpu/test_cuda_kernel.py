@@ -733,8 +733,8 @@ def test_wsbwd_head_parts_local_queries(hq, hkv, parts, d, deterministic, monkey
     assert head_parts == parts and 0 < long_items < len(work.ws_kv.tolist()), (head_parts, long_items)
     held = torch.zeros(seg.num_tokens, 1, 1, device="cuda", dtype=dout.dtype)
     held[rows] = 1
-    o, l, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout * held, seg, 0.1)
-    ex = (o, l, ex_dq[rows], ex_dk, ex_dv)
+    ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout * held, seg, 0.1)
+    ex = (ex_out, ex_lse, ex_dq[rows], ex_dk, ex_dv)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
     whole = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
     monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
@@ -1520,9 +1520,9 @@ def test_ws_head_parts_rule(groups, hkv, group, parts, monkeypatch):
     """ws_head_parts: head parts per long key tile and kv head at HEAD_PARTS_GROUP query heads per
     kv head or more where a CTA would walk OWN_WALKS heads' own causal rows or more (group x the
     long band's share of steps over causal ranges), as many as leave it 2.5 such walks, never on a
-    list split by query rows; the switch forces 1, 2, 4 or 8 where the list allows, names itself when it does not
-    divide the group or is anything else. long_band_own_share counts the long band's 64-row steps
-    over causal ranges against those over children."""
+    list split by query rows; the switch forces 1, 2, 4 or 8 where the list allows, names itself
+    when it does not divide the group or is anything else. long_band_own_share counts the long
+    band's 64-row steps over causal ranges against those over children."""
     seg = make_segments(groups, device="cpu")
     monkeypatch.delenv("MEGATRON_DUALKV_WS_HEAD_PARTS", raising=False)
     work = cuda_backend.Work(seg, torch.device("cpu"), split=(hkv, group, 132, False), phase=True)
@@ -1539,7 +1539,8 @@ def test_ws_head_parts_rule(groups, hkv, group, parts, monkeypatch):
     # the CTA's own walks, group x share: none below 8 query heads or 4 walks, then the fewest parts
     # (powers of two up to 8 dividing the group) that leave 2.5 walks or fewer
     auto = cuda_backend.auto_head_parts
-    assert [auto(4, 1.0), auto(8, 0.49), auto(8, 0.5), auto(8, 0.625), auto(8, 0.63), auto(8, 1.0)] == [1, 1, 2, 2, 4, 4]
+    assert [auto(4, 1.0), auto(8, 0.49), auto(8, 0.5), auto(8, 0.625), auto(8, 0.63), auto(8, 1.0)] == [
+        1, 1, 2, 2, 4, 4]
     assert [auto(16, 0.24), auto(16, 0.3), auto(16, 0.33), auto(16, 0.62), auto(16, 0.67)] == [1, 2, 4, 4, 8]
     assert [auto(12, 1.0), auto(10, 1.0), auto(9, 1.0), auto(32, 1.0)] == [4, 2, 1, 8]
     monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "2")
