@@ -29,6 +29,10 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
       --backends "cuda[MEGATRON_DUALKV_WS_FWD_TILE=128],cuda[MEGATRON_DUALKV_WS_FWD_TILE=176]"
       # two settings of the cuda backend timed run by run in turn, in one process
   python tools/bench_kernel.py --interleave --backends "cuda,cuda[deterministic=1]"   # fast vs deterministic backward
+  python tools/bench_kernel.py --interleave --hkv 4 \
+      --backends "cuda,cuda[MEGATRON_DUALKV_WS_HEAD_PARTS=2],cuda[MEGATRON_DUALKV_WS_HEAD_PARTS=auto]"
+      # the last is cuda again under another name: a control, whose ratio to cuda is the run's
+      # own noise (the same kernels spread 2-4 % per run at the power cap, docs/PERF.md)
   python tools/bench_kernel.py --shapes 16x1024x8192 --spread 0.9 --backends cuda,flex-flash
       # responses of unequal lengths, R (1 - 0.9) to R (1 + 0.9) in a fixed shuffled order (mean R)
   python tools/bench_kernel.py --shapes 16x512x1024 --groups 8 --spread 0.9 --backends cuda,flex-flash
