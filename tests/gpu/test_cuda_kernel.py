@@ -666,6 +666,23 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
                           finite=True)
 
 
+def assert_head_parts_match_one_cta(parts, ex, deterministic, monkeypatch, *args, **run_kw):
+    """run_kernel(*args, **run_kw) with the long band in `parts` head parts against one CTA per kv
+    head (MEGATRON_DUALKV_WS_HEAD_PARTS=1): dq, dk, dv within bf16 rounding and no worse against
+    the float64 `ex`, every element written; deterministic: the parts' run bitwise reproducible
+    and its dq (the dQ kernel's) bitwise the one-CTA run's."""
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
+    whole = run_kernel(*args, deterministic=deterministic, **run_kw)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
+    split = run_kernel(*args, deterministic=deterministic, **run_kw)
+    against = "vs one CTA per kv head" + (" (local queries)" if run_kw.get("rows") is not None else "")
+    assert_close_no_worse(split, whole, ex, ["dq", "dk", "dv"], against, finite=True)
+    if deterministic:
+        again = run_kernel(*args, deterministic=True, **run_kw)
+        assert_same_bits([split, again], ["dq", "dk", "dv"], "between two deterministic runs with head parts")
+        assert torch.equal(split[2], whole[2]), "dq (the dQ kernel's) changed with head parts"
+
+
 @gpu
 @pytest.mark.parametrize("tails", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -698,16 +715,8 @@ def test_wsbwd_head_parts(hq, hkv, parts, d, deterministic, tails, monkeypatch):
     assert head_parts == parts and 0 < long_items < len(items), (head_parts, long_items, len(items))
     assert work.ws_slots[0] == 0 and (work.ws_slots[1] > 0) == tails, work.ws_slots
     assert any(it[7] > 0 for it in items[:long_items]) == tails, "tail parts in the long band"
-    ex = exact(q, k, v, dout, seg, 0.1)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
-    whole = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
-    split = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, impl="ws", bwd_impl="ws")
-    assert_close_no_worse(split, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head", finite=True)
-    if deterministic:
-        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, impl="ws", bwd_impl="ws")
-        assert_same_bits([split, again], ["dq", "dk", "dv"], "between two deterministic runs with head parts")
-        assert torch.equal(split[2], whole[2]), "dq (the dQ kernel's) changed with head parts"
+    assert_head_parts_match_one_cta(parts, exact(q, k, v, dout, seg, 0.1), deterministic, monkeypatch,
+                                    q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws")
 
 
 @gpu
@@ -735,16 +744,7 @@ def test_wsbwd_head_parts_local_queries(hq, hkv, parts, d, deterministic, monkey
     held[rows] = 1
     ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout * held, seg, 0.1)
     ex = (ex_out, ex_lse, ex_dq[rows], ex_dk, ex_dv)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
-    whole = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
-    split = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
-    assert_close_no_worse(split, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head (local queries)",
-                          finite=True)
-    if deterministic:
-        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, rows=rows)
-        assert_same_bits([split, again], ["dq", "dk", "dv"], "between two deterministic local runs with head parts")
-        assert torch.equal(split[2], whole[2]), "dq (the dQ kernel's) changed with head parts"
+    assert_head_parts_match_one_cta(parts, ex, deterministic, monkeypatch, q, k, v, dout, seg, 0.1, rows=rows)
 
 
 @gpu
