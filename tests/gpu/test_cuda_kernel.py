@@ -666,6 +666,14 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
                           finite=True)
 
 
+def held_rows_only(dout, rows):
+    """dout [T, Hq, D] with the rows a context-parallel rank does not hold zeroed: the whole
+    problem's gradients are then the local queries' (their dq on `rows`, their dk and dv)."""
+    held = torch.zeros(dout.shape[0], 1, 1, device=dout.device, dtype=dout.dtype)
+    held[rows] = 1
+    return dout * held
+
+
 def assert_head_parts_match_one_cta(parts, ex, deterministic, monkeypatch, *args, **run_kw):
     """run_kernel(*args, **run_kw) with the long band in `parts` head parts against one CTA per kv
     head (MEGATRON_DUALKV_WS_HEAD_PARTS=1): dq, dk, dv within bf16 rounding and no worse against
@@ -740,9 +748,7 @@ def test_wsbwd_head_parts_local_queries(hq, hkv, parts, d, deterministic, monkey
                                      not deterministic)
     head_parts, long_items = cuda_backend.ws_head_parts(work, hq // hkv)
     assert head_parts == parts and 0 < long_items < len(work.ws_kv.tolist()), (head_parts, long_items)
-    held = torch.zeros(seg.num_tokens, 1, 1, device="cuda", dtype=dout.dtype)
-    held[rows] = 1
-    ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout * held, seg, 0.1)
+    ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, held_rows_only(dout, rows), seg, 0.1)
     ex = (ex_out, ex_lse, ex_dq[rows], ex_dk, ex_dv)
     assert_head_parts_match_one_cta(parts, ex, deterministic, monkeypatch, q, k, v, dout, seg, 0.1, rows=rows)
 
@@ -861,9 +867,7 @@ def test_local_queries(case, deterministic):
         again = run_kernel(q, k, v, dout, seg, scale, deterministic, rows=rows)
         for name, a, b in (("dq", dq, again[2]), ("dk", dk, again[3]), ("dv", dv, again[4])):
             assert torch.equal(a, b), f"deterministic local queries: {name} differs between two runs"
-    held = torch.zeros(t, 1, 1, device="cuda", dtype=dout.dtype)
-    held[rows] = 1
-    masked = dout * held
+    masked = held_rows_only(dout, rows)
     _, _, ex_dq, ex_dk, ex_dv = exact(q, k, v, masked, seg, scale)
     _, r_dq, r_dk, r_dv = replicated_sdpa(q, k, v, masked, seg, scale)
     lines = []
@@ -898,10 +902,9 @@ def test_local_queries_fast_mode_takes_the_separate_dq(monkeypatch):
     monkeypatch.setenv("MEGATRON_DUALKV_DQ_KERNEL", "sm90")
     fused = run_kernel(q, k, v, dout, seg, 0.1, False, rows=rows)
     assert modes[-1] is False, "fast mode under MEGATRON_DUALKV_DQ_KERNEL=sm90 must keep the fused kernel"
-    held = torch.zeros(seg.num_tokens, 1, 1, device="cuda", dtype=dout.dtype)
-    held[rows] = 1
-    _, _, ex_dq, ex_dk, ex_dv = exact(q, k, v, dout * held, seg, 0.1)
-    _, r_dq, r_dk, r_dv = replicated_sdpa(q, k, v, dout * held, seg, 0.1)
+    masked = held_rows_only(dout, rows)
+    _, _, ex_dq, ex_dk, ex_dv = exact(q, k, v, masked, seg, 0.1)
+    _, r_dq, r_dk, r_dv = replicated_sdpa(q, k, v, masked, seg, 0.1)
     for name, i, truth, rep in (("dq", 2, ex_dq[rows], r_dq[rows]), ("dk", 3, ex_dk, r_dk), ("dv", 4, ex_dv, r_dv)):
         for label, run in (("separate", fast), ("fused", fused)):
             assert rel(run[i], truth) <= rel(rep, truth) * SLACK + 1e-7, f"{name} ({label}): worse than replicated SDPA"
