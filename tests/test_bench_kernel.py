@@ -179,8 +179,12 @@ def test_prompt_spread_gives_each_group_its_own_prompt_length(monkeypatch):
 
 
 def test_hkv_must_divide_the_query_heads():
-    with pytest.raises(SystemExit, match="--hkv must divide"):
+    with pytest.raises(SystemExit, match="--hkv must divide the 32 query heads"):
         bench_kernel.main(["--hkv", "5"])
+    with pytest.raises(SystemExit, match="--hkv must divide the 4 query heads, got 8"):
+        bench_kernel.main(["--hq", "4"])
+    with pytest.raises(SystemExit, match="--hq must be at least 1"):
+        bench_kernel.main(["--hq", "0", "--hkv", "1"])
 
 
 def test_head_dim_is_one_the_kernels_take():

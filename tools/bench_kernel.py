@@ -33,6 +33,8 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
       --backends "cuda,cuda[MEGATRON_DUALKV_WS_HEAD_PARTS=2],cuda[MEGATRON_DUALKV_WS_HEAD_PARTS=auto]"
       # the last is cuda again under another name: a control, whose ratio to cuda is the run's
       # own noise (the same kernels spread 2-4 % per run at the power cap, docs/PERF.md)
+  python tools/bench_kernel.py --hq 4 --hkv 1 --interleave --backends cuda,flex-flash
+      # one tensor-parallel rank's heads (Qwen3-8B at TP = 8: 32 / 8 heads over 8 ranks)
   python tools/bench_kernel.py --shapes 16x1024x8192 --spread 0.9 --backends cuda,flex-flash
       # responses of unequal lengths, R (1 - 0.9) to R (1 + 0.9) in a fixed shuffled order (mean R)
   python tools/bench_kernel.py --shapes 16x512x1024 --groups 8 --spread 0.9 --backends cuda,flex-flash
@@ -67,7 +69,7 @@ from megatron_dualkv.flops import FWD_BWD_FACTOR, attention_flops, group_pairs  
 from megatron_dualkv.layout import SegmentTable  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-DEFAULT_HKV, DEFAULT_D = HKV, D  # --hkv and --head-dim change HKV and D
+DEFAULT_HQ, DEFAULT_HKV, DEFAULT_D = HQ, HKV, D  # --hq, --hkv and --head-dim change them
 DTYPE = torch.bfloat16
 PUBLISHED_NP = [(28, 4096), (28, 16384), (16, 32768), (28, 32768), (16, 65536)]
 ALL_SHAPES = [(n, p, r) for r in (2048, 1024) for n, p in PUBLISHED_NP]
@@ -561,8 +563,11 @@ def main(argv=None):
     ap.add_argument("--prompt-spread", type=float, default=0.0,
                     help="with --groups: the groups' prompt lengths P (1 - S) to P (1 + S), mean P, in a "
                          "fixed shuffled order (0 <= S < 1; the P column gives the mean)")
+    ap.add_argument("--hq", type=int, default=DEFAULT_HQ,
+                    help=f"query heads (default {DEFAULT_HQ}, Qwen3-8B's and Qwen3-30B-A3B's; one tensor-parallel "
+                         f"rank holds Hq / TP of them, e.g. --hq 4 --hkv 1 for Qwen3-8B at TP = 8)")
     ap.add_argument("--hkv", type=int, default=DEFAULT_HKV,
-                    help=f"kv heads (query heads {HQ}; default {DEFAULT_HKV}, Qwen3-8B's; 4 is Qwen3-30B-A3B's)")
+                    help=f"kv heads (default {DEFAULT_HKV}, Qwen3-8B's; 4 is Qwen3-30B-A3B's)")
     ap.add_argument("--head-dim", type=int, default=DEFAULT_D, choices=(64, 128), help=f"head dim (default {DEFAULT_D})")
     ap.add_argument("--cp", type=int, default=1,
                     help="time rank 0 of this many context-parallel ranks: its local queries (the cost-balanced "
@@ -571,7 +576,7 @@ def main(argv=None):
                     help="run the cuda backend twice per shape, as cuda[dq=atomic] and cuda[dq=tma] "
                          "(MEGATRON_DUALKV_WS_DQ: the ws backward's dQ by float2 atomics / TMA reduce-add)")
     args = ap.parse_args(argv)
-    global SHOW_RUNS, SPREAD, GROUPS, PROMPT_SPREAD, HKV, D, CP
+    global SHOW_RUNS, SPREAD, GROUPS, PROMPT_SPREAD, HQ, HKV, D, CP
     SHOW_RUNS = args.show_runs
     if args.cp < 1:
         raise SystemExit(f"--cp must be at least 1, got {args.cp}")
@@ -585,9 +590,11 @@ def main(argv=None):
     if not 0 <= args.prompt_spread < 1:
         raise SystemExit(f"--prompt-spread must be in [0, 1), got {args.prompt_spread}")
     PROMPT_SPREAD = args.prompt_spread
-    if args.hkv < 1 or HQ % args.hkv:
-        raise SystemExit(f"--hkv must divide the {HQ} query heads, got {args.hkv}")
-    HKV = args.hkv
+    if args.hq < 1:
+        raise SystemExit(f"--hq must be at least 1, got {args.hq}")
+    if args.hkv < 1 or args.hq % args.hkv:
+        raise SystemExit(f"--hkv must divide the {args.hq} query heads, got {args.hkv}")
+    HQ, HKV = args.hq, args.hkv
     D = args.head_dim
 
     shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else ALL_SHAPES)

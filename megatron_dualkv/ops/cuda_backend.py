@@ -44,6 +44,7 @@ whole micro-batch's deterministic backward.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import os
 from typing import Optional
@@ -323,7 +324,7 @@ _MAX_PARTS, _MAX_SLOTS = 1023, 2047
 
 
 def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: int, sms: int,
-                  per_part: bool = False, max_slots: int = _MAX_SLOTS) -> tuple[list, list]:
+                  per_part: bool = False, max_slots: int = _MAX_SLOTS, balance: str = "off") -> tuple[list, list]:
     """`ws_kv_work`'s (items, ranges) with the key tiles that would outlast the grid split by query
     rows: each becomes parts (items with the same k0) whose ranges, appended to `ranges`, are the
     tile's cut at segment starts, so a part walks whole responses. Field 7 of part i of `parts` =
@@ -342,14 +343,15 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     neighbours, which start at different rows of a response, all start at its end and walk down
     together: modelled misses 35 -> 16 % on (64, 256, 1024); measured bwd 0.2-2.3 % faster on GRPO
     shapes (docs/PERF.md, twenty-fifth session). Without a split, items and ranges come back
-    unchanged."""
+    unchanged; with balance="auto" (`ws_split`) also where the whole key tiles in head parts
+    (`balance_head_parts`) model (`modelled_makespan`) ROWS_BALANCE_GAIN shorter than the split."""
     cta = lambda it: it[4] * group + WS_CTA_OVERHEAD  # noqa: E731  (64-row steps of one CTA, + start)
     ideal = sum(cta(it) for it in items) * hkv / sms
     if not items or max(cta(it) for it in items) <= WS_SPLIT_AT * ideal:
         return items, ranges
     cap = max(_SPLIT_CUT, int((WS_SPLIT_AT * ideal - WS_CTA_OVERHEAD) / group / 2) * TILE // _SPLIT_CUT * _SPLIT_CUT)
     starts = sorted(seg_starts)
-    ranges = list(ranges)  # the parts' ranges are appended to a copy
+    whole, ranges = ranges, list(ranges)  # the parts' ranges are appended to a copy
     out, slots = [], 0
     for it in items:
         # a prompt tail's items (field 8) are parts of their own already (`ws_kv_work`, merge_tails)
@@ -368,6 +370,10 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     out = _group_by_segment(out, lambda it: _walked_segment(it, ranges, starts), cta)
     for it in out:
         it[5] = 0
+    if balance == "auto" and (parts := balance_head_parts(items, hkv, group, sms)) > 1:
+        split_span = modelled_makespan(out, hkv, group, sms)
+        if modelled_makespan(items, hkv, group, sms, parts) < (1 - ROWS_BALANCE_GAIN) * split_span:
+            return items, whole  # whole key tiles in head parts (`ws_head_parts`) last less
     return out, ranges
 
 
@@ -410,9 +416,71 @@ def _mark_long_band(items: list, work) -> None:
         it[5] = n_long
 
 
+# Head parts for balance. With one or two kv heads (a tensor-parallel rank's share: Qwen3-8B's
+# 32 / 8 heads at TP = 8 are 4 / 1) a kv head's long key tiles are about as many as the SMs, so
+# each SM runs about one and the heaviest sets the backward's makespan: (28, 16384, R) at 4 / 1
+# and 8 / 1 modelled 1.09-1.22x the ideal, measured bwd 1.04-1.15x Flex-FLASH's (0.96-0.98x at
+# 8 / 2; docs/PERF.md, thirty-fifth session). Head parts (`ws_head_parts`) cut those CTAs into
+# group / parts query heads each. Modelled only where the heaviest CTA exceeds BALANCE_GATE of an
+# SM's ideal share (the model takes ~0.2 ms per thousand CTAs); taken where they shorten the modelled
+# makespan by BALANCE_GAIN or more.
+BALANCE_GATE = 0.5
+BALANCE_GAIN = 0.03
+# In fast mode head parts also replace a split by query rows (`split_by_rows`) where they model
+# ROWS_BALANCE_GAIN shorter. H100 bwd, head parts / split, modelled -> measured: 0.851 -> 0.857 and
+# 0.857 -> 0.868 on (28, 16384, 1024) at 8 / 1 and 4 / 1, 0.953-0.961 -> 0.946-0.978 on four
+# layouts at 16 / 4, 8 / 2 and 4 / 1, but 0.968 -> 1.023 on (32, 1024, 1024) at 32 / 8: the model
+# leaves out the parts' own costs (docs/PERF.md, thirty-fifth session).
+ROWS_BALANCE_GAIN = 0.04
+
+
+def modelled_makespan(items: list, hkv: int, group: int, sms: int, parts: int = 1) -> float:
+    """Steps until the ws backward's last CTA ends in the list-scheduling model of
+    csrc/ws_block_order_model.py: a CTA lasts its 64-row query tiles x the query heads it walks +
+    WS_CTA_OVERHEAD, `sms` run at once, the next in block order starts on the first SM free. Block
+    order as bwd_ws_sm90's map_block: the long band (items 0 .. n_long - 1, field 5) of every kv
+    head and head part (a prompt tail's part, field 7 > 0, walked whole by part 0), then the other
+    items of every kv head."""
+    n_long = items[0][5] if items else 0
+    free = [0.0] * sms
+    for _ in range(hkv):
+        for part in range(parts):
+            for it in items[:n_long]:
+                whole = parts > 1 and it[7] > 0
+                if part == 0 or not whole:
+                    heapq.heapreplace(free, free[0] + it[4] * group / (1 if whole else parts) + WS_CTA_OVERHEAD)
+    for _ in range(hkv):
+        for it in items[n_long:]:
+            heapq.heapreplace(free, free[0] + it[4] * group + WS_CTA_OVERHEAD)
+    return max(free)
+
+
+def balance_head_parts(items: list, hkv: int, group: int, sms: int) -> int:
+    """Head parts (1, 2, 4 or 8, dividing the group) that balance the ws backward's long band: 1
+    where its heaviest CTA is BALANCE_GATE of an SM's ideal share or less, or where no count
+    shortens the modelled makespan by BALANCE_GAIN; else the fewest parts within 0.5 % of the
+    shortest."""
+    if not items:
+        return 1
+    steps = [it[4] * group + WS_CTA_OVERHEAD for it in items]
+    if max(steps) <= BALANCE_GATE * sum(steps) * hkv / sms:
+        return 1
+    spans = {p: modelled_makespan(items, hkv, group, sms, p) for p in (1, 2, 4, 8) if group % p == 0}
+    best = min(spans.values())
+    if best > spans[1] * (1 - BALANCE_GAIN):
+        return 1
+    return min(p for p, span in spans.items() if span <= best * 1.005)
+
+
 def _per_part(split: Optional[tuple]) -> bool:
     """Whether `ws_kv_work`'s split argument asks for the deterministic lists (a slot per part)."""
     return split is not None and len(split) > 3 and bool(split[3])
+
+
+def _balance(split: Optional[tuple]) -> str:
+    """`ws_kv_work`'s split argument's head parts for balance (`ws_split`): "off" (also in splits of
+    3 or 4 fields), "unsplit" or "auto"."""
+    return str(split[4]) if split is not None and len(split) > 4 else "off"
 
 
 def split_slots(items: list, per_part: bool = False) -> int:
@@ -623,7 +691,7 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     ranges = [list(r) for r in ranges]
     if split is not None:
         items, ranges = split_by_rows(items, ranges, starts_, *split[:3], per_part=per_part,
-                                      max_slots=_MAX_SLOTS - tail_slots_used)
+                                      max_slots=_MAX_SLOTS - tail_slots_used, balance=_balance(split))
     if phase and not split_slots(items):
         _phase_walks(items, ranges)
     if tails:
@@ -655,6 +723,8 @@ class Work:
         self.ws_slots = (split_slots(ws_items, per_part), tail_slots(ws_items, per_part))
         self.ws_long_items = ws_items[0][5] if ws_items else 0
         self.ws_long_own_share = long_band_own_share(ws_items, ws_ranges)
+        self.ws_balance_parts = (balance_head_parts(ws_items, *split[:3])
+                                 if _balance(split) != "off" and not self.ws_slots[0] else 1)
         if not self.local:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
@@ -804,13 +874,14 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
     summed in fp32 slots (deterministic mode: one slot per part); (1, 0): one CTA per key tile and
     kv head walks the whole group. Not on lists split by query rows (short walks already); a
     prompt tail's part is walked whole.
-    auto (`auto_head_parts`) from the CTA's own causal walks, group x the long band's own share of
-    steps; 1 also with split_on=False (MEGATRON_DUALKV_WS_SPLIT=0: every key tile one CTA, for A/B
+    auto: the more of `auto_head_parts` (from the CTA's own causal walks, group x the long band's
+    own share of steps) and the list's parts for balance (`balance_head_parts`, Work.ws_balance_parts);
+    1 also with split_on=False (MEGATRON_DUALKV_WS_SPLIT=0: every key tile one CTA, for A/B
     timings and bitwise checks). MEGATRON_DUALKV_WS_HEAD_PARTS=1, 2, 4 or 8 forces the parts where
     the list allows them (an A/B switch; it must divide the group)."""
     forced = _env_choice("MEGATRON_DUALKV_WS_HEAD_PARTS", ("auto", "1", "2", "4", "8"))
     if forced == "auto":
-        parts = auto_head_parts(group, work.ws_long_own_share) if split_on else 1
+        parts = max(auto_head_parts(group, work.ws_long_own_share), work.ws_balance_parts) if split_on else 1
     else:
         parts = int(forced)
     if group % parts:
@@ -834,14 +905,21 @@ def auto_head_parts(group: int, own_share: float) -> int:
     return parts
 
 
-def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool]]:
-    """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs, per_part), or
-    None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA, prompt tails not merged either;
-    for A/B timings and bitwise checks). per_part: the
-    deterministic mode's lists (a workspace slot per part, summed in part order)."""
+def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool, str]]:
+    """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs, per_part,
+    balance), or None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA, prompt tails not
+    merged either; for A/B timings and bitwise checks). per_part: the deterministic mode's lists (a
+    workspace slot per part, summed in part order). balance: head parts for balance
+    (`balance_head_parts`): "auto" on lists not split by query rows and, in fast mode, in place of
+    a split where they model ROWS_BALANCE_GAIN shorter (`split_by_rows`); "unsplit" the former only
+    (deterministic mode: on (28, 16384, 1024) at 4 / 1 its split was 1.6 % faster than head
+    parts, where fast mode's was 13 % slower); "off" none. MEGATRON_DUALKV_WS_BALANCE=unsplit or =off forces one (A/B switches)."""
     if os.environ.get("MEGATRON_DUALKV_WS_SPLIT", "1") == "0":
         return None
-    return k.shape[1], q.shape[1] // k.shape[1], _sm_count(q.device), bool(per_part)
+    balance = _env_choice("MEGATRON_DUALKV_WS_BALANCE", ("auto", "unsplit", "off"))
+    if per_part and balance == "auto":
+        balance = "unsplit"
+    return k.shape[1], q.shape[1] // k.shape[1], _sm_count(q.device), bool(per_part), balance
 
 
 _SM_COUNTS: dict = {}

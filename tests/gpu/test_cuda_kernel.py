@@ -174,9 +174,9 @@ CASES = [
     ([(1999, [1, 700, 64, 2048]), (130, [17] * 16)], 0, 32, 4, 128, torch.float16),
     ([(5059, [1, 33, 2048]), (64, [64, 64])], 11, 32, 8, 64, torch.float16),
     ([(777, [3, 1500]), (2, [1] * 40)], 0, 32, 4, 64, torch.bfloat16),
-    # many responses behind a short prompt: the ws backward splits the prompt's key tiles by query
-    # rows (so do cases 1 and 3, a 2048- and a 1500-row response cut in parts; cases 0 and 2 split
-    # nothing)
+    # many responses behind a short prompt: the ws backward's deterministic lists split the prompt's
+    # key tiles by query rows (so do cases 1 and 3, a 2048- and a 1500-row response cut in parts;
+    # cases 0 and 2 split nothing); fast mode's take head parts for balance there instead (and on 2)
     ([(130, [200] * 48)], 0, 32, 8, 128, torch.bfloat16),
 ]
 
@@ -525,6 +525,8 @@ def test_wsbwd_dq_matches_sm90(d, walk, monkeypatch):
     split = walk == "split"
     if not split:
         monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    else:  # the split by query rows, which head parts for balance would replace on this layout
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_BALANCE", "unsplit")
     if walk == "plain":
         monkeypatch.setenv("MEGATRON_DUALKV_WS_PHASE", "0")
     seg = make_segments([(5, [3]), (100, [3, 70, 1]), (130, [200] * 6)], pad=3)
@@ -658,6 +660,7 @@ def test_wsbwd_split_list_walks_reversed(deterministic, monkeypatch):
     responses (a part's ranges searched from its last one down) and a 2048-row response is cut."""
     seg = make_segments([(1999, [1, 700, 64, 2048]), (130, [17] * 16)], pad=3)
     q, k, v, dout = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=random.randrange(1 << 20))
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_BALANCE", "unsplit")  # fast mode would take head parts here
     work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=deterministic))
     assert work.ws_slots[0] > 0, "the layout splits no key tile"
     rev, listed = ws_runs_default_and_with("MEGATRON_DUALKV_WS_REVERSE_ROWS", "0", q, k, v, dout, seg, 0.1,
@@ -751,6 +754,37 @@ def test_wsbwd_head_parts_local_queries(hq, hkv, parts, d, deterministic, monkey
     ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, held_rows_only(dout, rows), seg, 0.1)
     ex = (ex_out, ex_lse, ex_dq[rows], ex_dk, ex_dv)
     assert_head_parts_match_one_cta(parts, ex, deterministic, monkeypatch, q, k, v, dout, seg, 0.1, rows=rows)
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("groups, hq, sms, parts, d", [
+    ([(3000, [300] * 5)], 8, 20, 4, 128),
+    ([(2500, [300, 129, 64, 1, 400])], 4, 16, 2, 64),
+])
+def test_wsbwd_balance_head_parts(groups, hq, sms, parts, d, deterministic, monkeypatch):
+    """One kv head (a tensor-parallel rank's share: Qwen3-8B's heads at TP = 8 are 4 / 1) on a grid
+    of `sms` SMs: the long band's key tiles are about as many as the SMs, none splits by query rows,
+    and auto takes head parts for balance (balance_head_parts; the prompt's tail keys merged, its
+    parts walked whole), more than the L2 rule alone (MEGATRON_DUALKV_WS_BALANCE=off) takes. The default run against one
+    CTA per kv head: dq, dk, dv within bf16 rounding and no worse against float64, every element
+    written; deterministic bitwise reproducible, its dq (the dQ kernel's) unchanged."""
+    seg = make_segments(groups, pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, hq, 1, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    monkeypatch.setitem(cuda_backend._SM_COUNTS, q.device, sms)
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_HEAD_PARTS", raising=False)
+    per_part = deterministic or cuda_backend.fast_bwd_separate_dq(seg, d)  # the lists forward() builds
+    lists = lambda: cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=per_part),  # noqa: E731
+                                              not per_part)
+    work = lists()
+    assert work.ws_slots[0] == 0 and work.ws_slots[1] > 0, work.ws_slots
+    assert cuda_backend.ws_head_parts(work, hq) == (parts, work.ws_long_items)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_BALANCE", "off")  # the L2 rule's parts only (8 / 1: 2)
+    off = lists()
+    assert cuda_backend.ws_head_parts(off, hq)[0] == cuda_backend.auto_head_parts(hq, off.ws_long_own_share) < parts
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_BALANCE")
+    assert_head_parts_match_one_cta("auto", exact(q, k, v, dout, seg, 0.1), deterministic, monkeypatch,
+                                    q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws")
 
 
 @gpu
@@ -1558,6 +1592,72 @@ def test_ws_head_parts_rule(groups, hkv, group, parts, monkeypatch):
     monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "3")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_HEAD_PARTS must be 'auto', '1', '2', '4' or '8'"):
         cuda_backend.ws_head_parts(work, group)
+
+
+def test_modelled_makespan_follows_the_block_order():
+    """The list-scheduling model runs CTAs in bwd_ws_sm90's block order: the long band of every kv
+    head and head part, then the rest; a CTA lasts its 64-row query tiles x the heads it walks +
+    WS_CTA_OVERHEAD, and a prompt tail's part (field 7 > 0) in the long band is walked whole once."""
+    o = cuda_backend.WS_CTA_OVERHEAD
+    item = lambda tiles, n_long, field7=0: [0, 128, 0, 1, tiles, n_long, tiles, field7, 0, 0]  # noqa: E731
+    items = [item(10, 1), item(2, 1), item(2, 1)]
+    makespan = cuda_backend.modelled_makespan
+    # group 2 on 2 SMs: 20 + o on one SM, 4 + o twice on the other
+    assert makespan(items, 1, 2, 2) == 20 + o
+    # two parts: 10 + o each, then the short CTAs one on each SM
+    assert makespan(items, 1, 2, 2, parts=2) == 10 + o + 4 + o
+    # two kv heads on 2 SMs: the long CTAs of both heads first, then the four short ones
+    assert makespan(items, 2, 2, 2) == 20 + o + 2 * (4 + o)
+    # a tail's part: part 0 walks it whole, part 1 exits (no CTA time)
+    tail = [item(10, 1, field7=(0 << 20) | (0 << 10) | 2), item(2, 1), item(2, 1)]
+    assert makespan(tail, 1, 2, 2, parts=2) == makespan(tail, 1, 2, 2) == 20 + o
+
+
+@pytest.mark.parametrize("hkv, group, shape, whole_parts, row_slots", [
+    (1, 4, (28, 16384, 2048), 2, 0),    # 128 long key tiles on 132 SMs: the heaviest sets the end
+    (1, 8, (28, 16384, 2048), 2, 0),
+    (8, 4, (28, 16384, 2048), 1, 0),    # 8 kv heads: the heaviest CTA under half an SM's share
+    (1, 4, (16, 32768, 2048), 1, 0),    # 256 long tiles: parts model no 3 % shorter
+    (1, 4, (28, 16384, 1024), 2, 7),    # a split by rows that leaves 1.19x the ideal
+    (8, 4, (32, 1024, 1024), 2, 8),     # head parts model within 4 % of the split: it stays
+])
+def test_ws_balance_head_parts(hkv, group, shape, whole_parts, row_slots, monkeypatch):
+    """balance_head_parts on the unsplit list: 1 where the heaviest CTA is half an SM's ideal share
+    or less or no count models BALANCE_GAIN shorter, else the fewest parts within 0.5 % of the
+    shortest. ws_split's balance: "auto" (fast mode) also replaces a split by query rows where the
+    head parts model ROWS_BALANCE_GAIN shorter; "unsplit" (deterministic mode's) never does; "off"
+    takes none (the L2 rule's parts only). ws_head_parts takes the more of the L2 rule's and these."""
+    n, p, r = shape
+    seg = make_segments([(p, [r] * n)], device="cpu")
+    whole, _ = cuda_backend.ws_kv_work(seg, phase=True)
+    assert cuda_backend.balance_head_parts(whole, hkv, group, 132) == whole_parts
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
+    q, k = torch.empty(1, hkv * group, 8), torch.empty(1, hkv, 8)
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_BALANCE", raising=False)
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_HEAD_PARTS", raising=False)
+    assert cuda_backend.ws_split(q, k) == (hkv, group, 132, False, "auto")
+    assert cuda_backend.ws_split(q, k, per_part=True)[3:] == (True, "unsplit")
+    works = {b: cuda_backend.Work(seg, cpu, split=(hkv, group, 132, False, b), phase=True)
+             for b in ("auto", "unsplit", "off")}
+    makespan = cuda_backend.modelled_makespan
+    rows, _ = cuda_backend.ws_kv_work(seg, split=(hkv, group, 132, False, "unsplit"))
+    replaced = row_slots > 0 and whole_parts > 1 and (
+        makespan(whole, hkv, group, 132, whole_parts) < (1 - cuda_backend.ROWS_BALANCE_GAIN) * makespan(rows, hkv, group, 132))
+    assert works["unsplit"].ws_slots[0] == works["off"].ws_slots[0] == row_slots
+    assert works["auto"].ws_slots[0] == (0 if replaced else row_slots)
+    assert replaced == (shape == (28, 16384, 1024))
+    for b, work in works.items():
+        l2 = cuda_backend.auto_head_parts(group, work.ws_long_own_share)
+        balanced = whole_parts if b != "off" and not work.ws_slots[0] else 1
+        assert work.ws_balance_parts == balanced, b
+        parts = 1 if work.ws_slots[0] else max(l2, balanced)
+        assert cuda_backend.ws_head_parts(work, group) == ((parts, work.ws_long_items) if parts > 1 else (1, 0)), b
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_BALANCE", "off")
+    assert cuda_backend.ws_split(q, k)[4] == "off"
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_BALANCE", "1")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_BALANCE must be 'auto', 'unsplit' or 'off', got '1'"):
+        cuda_backend.ws_split(q, k)
 
 
 @pytest.mark.parametrize("groups, local", [
