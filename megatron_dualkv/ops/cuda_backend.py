@@ -320,11 +320,22 @@ WS_CTA_OVERHEAD = 4
 # list's slot per part is hkv x 128 KB at head dim 128).
 WS_SPLIT_MIN_ROWS = 256
 _SPLIT_CUT = 320
+# A split list is ordered by segment for L2 (above), unless that order models SPLIT_ORDER_GAP
+# longer than heaviest first (`split_by_rows`, order="auto"; fast mode only, `ws_split`): with one
+# kv head a segment's late parts start after the others' and set the end. H100 bwd, heaviest first
+# / by segment at a modelled gap of: 1.31-1.32 on (8, 1000, 3000) at 4 / 1 and 8 / 1: 0.792-0.795
+# and 0.834; 1.21-1.22 on (16, 1024, 2048): 0.933-0.941 at 4 / 1 but 1.041 at 8 / 1; 1.15 on
+# (32, 1024, 1024) at 4 / 1: 1.007; 1.09 on (16, 1024, 2048) at 8 / 2: 0.970; 1.05-1.06 at 32 / 4:
+# 0.975 and 1.041; at 32 / 8 the segment order was 2 % faster on (64, 256, 1024) at 1.02
+# (thirteenth session). The model leaves out L2, which the segment order is for; hence 25 %
+# (docs/PERF.md, thirty-fifth session).
+SPLIT_ORDER_GAP = 0.255
 _MAX_PARTS, _MAX_SLOTS = 1023, 2047
 
 
 def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: int, sms: int,
-                  per_part: bool = False, max_slots: int = _MAX_SLOTS, balance: str = "off") -> tuple[list, list]:
+                  per_part: bool = False, max_slots: int = _MAX_SLOTS, balance: str = "off",
+                  order: str = "segment") -> tuple[list, list]:
     """`ws_kv_work`'s (items, ranges) with the key tiles that would outlast the grid split by query
     rows: each becomes parts (items with the same k0) whose ranges, appended to `ranges`, are the
     tile's cut at segment starts, so a part walks whole responses. Field 7 of part i of `parts` =
@@ -342,8 +353,10 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     (bwd_ws_sm90 with split_slots > 0; MEGATRON_DUALKV_WS_REVERSE_ROWS=0 keeps list order), so the
     neighbours, which start at different rows of a response, all start at its end and walk down
     together: modelled misses 35 -> 16 % on (64, 256, 1024); measured bwd 0.2-2.3 % faster on GRPO
-    shapes (docs/PERF.md, twenty-fifth session). Without a split, items and ranges come back
-    unchanged; with balance="auto" (`ws_split`) also where the whole key tiles in head parts
+    shapes (docs/PERF.md, twenty-fifth session). With order="auto" (`ws_split`) the list is
+    heaviest first instead where the segment order models SPLIT_ORDER_GAP longer (one kv head:
+    a segment's late CTAs set the end), "work" always. Without a split, items and ranges come
+    back unchanged; with balance="auto" (`ws_split`) also where the whole key tiles in head parts
     (`balance_head_parts`) model (`modelled_makespan`) ROWS_BALANCE_GAIN shorter than the split."""
     cta = lambda it: it[4] * group + WS_CTA_OVERHEAD  # noqa: E731  (64-row steps of one CTA, + start)
     ideal = sum(cta(it) for it in items) * hkv / sms
@@ -370,8 +383,13 @@ def split_by_rows(items: list, ranges: list, seg_starts: list, hkv: int, group: 
     out = _group_by_segment(out, lambda it: _walked_segment(it, ranges, starts), cta)
     for it in out:
         it[5] = 0
+    split_span = modelled_makespan(out, hkv, group, sms) if order == "auto" or balance == "auto" else 0.0
+    if order != "segment":
+        by_work = sorted(out, key=lambda it: -cta(it))  # stable: the segment order among equals
+        work_span = modelled_makespan(by_work, hkv, group, sms)
+        if order == "work" or split_span > (1 + SPLIT_ORDER_GAP) * work_span:
+            out, split_span = by_work, work_span
     if balance == "auto" and (parts := balance_head_parts(items, hkv, group, sms)) > 1:
-        split_span = modelled_makespan(out, hkv, group, sms)
         if modelled_makespan(items, hkv, group, sms, parts) < (1 - ROWS_BALANCE_GAIN) * split_span:
             return items, whole  # whole key tiles in head parts (`ws_head_parts`) last less
     return out, ranges
@@ -482,6 +500,12 @@ def _balance(split: Optional[tuple]) -> str:
     """`ws_kv_work`'s split argument's head parts for balance (`ws_split`): "off" (also in splits of
     3 or 4 fields), "unsplit" or "auto"."""
     return str(split[4]) if split is not None and len(split) > 4 else "off"
+
+
+def _split_order(split: Optional[tuple]) -> str:
+    """`ws_kv_work`'s split argument's order of a split list (`ws_split`): "segment" (also in splits
+    of 5 fields or fewer), "auto" or "work"."""
+    return str(split[5]) if split is not None and len(split) > 5 else "segment"
 
 
 def split_slots(items: list, per_part: bool = False) -> int:
@@ -692,7 +716,8 @@ def ws_kv_work(segments: SegmentTable, chunks: Optional[QueryChunks] = None, kv_
     ranges = [list(r) for r in ranges]
     if split is not None:
         items, ranges = split_by_rows(items, ranges, starts_, *split[:3], per_part=per_part,
-                                      max_slots=_MAX_SLOTS - tail_slots_used, balance=_balance(split))
+                                      max_slots=_MAX_SLOTS - tail_slots_used, balance=_balance(split),
+                                      order=_split_order(split))
     if phase and not split_slots(items):
         _phase_walks(items, ranges)
     if tails:
@@ -906,21 +931,30 @@ def auto_head_parts(group: int, own_share: float) -> int:
     return parts
 
 
-def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool, str]]:
+def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int, int, int, bool, str, str]]:
     """`ws_kv_work`'s split argument for these heads on q's GPU: (Hkv, Hq / Hkv, SMs, per_part,
-    balance), or None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA, prompt tails not
-    merged either; for A/B timings and bitwise checks). per_part: the deterministic mode's lists (a
-    workspace slot per part, summed in part order). balance: head parts for balance
-    (`balance_head_parts`): "auto" on lists not split by query rows and, in fast mode, in place of
-    a split where they model ROWS_BALANCE_GAIN shorter (`split_by_rows`); "unsplit" the former only
-    (deterministic mode: on (28, 16384, 1024) at 4 / 1 its split was 1.6 % faster than head
-    parts, where fast mode's was 13 % slower); "off" none. MEGATRON_DUALKV_WS_BALANCE=unsplit or =off forces one (A/B switches)."""
+    balance, order), or None with MEGATRON_DUALKV_WS_SPLIT=0 (every key tile one CTA, prompt tails
+    not merged either; for A/B timings and bitwise checks).
+    - per_part: the deterministic mode's lists (a workspace slot per part, summed in part order).
+    - balance: head parts for balance (`balance_head_parts`): "auto" on lists not split by query
+      rows and, in fast mode, in place of a split where they model ROWS_BALANCE_GAIN shorter
+      (`split_by_rows`); "unsplit" the former only (deterministic mode: on (28, 16384, 1024) at
+      4 / 1 its split was 1.6 % faster than head parts, where fast mode's was 13 % slower); "off"
+      none. MEGATRON_DUALKV_WS_BALANCE=unsplit or =off forces one.
+    - order: a split list's order (`split_by_rows`): "auto" by segment unless heaviest first
+      models SPLIT_ORDER_GAP shorter; deterministic mode "segment" (heaviest first measured 1.002
+      and 1.023 there at 4 / 1: its dQ kernel on a second stream fills a short dK/dV tail);
+      MEGATRON_DUALKV_WS_SPLIT_ORDER=segment or =work forces one.
+    The switches are for A/B timings."""
     if os.environ.get("MEGATRON_DUALKV_WS_SPLIT", "1") == "0":
         return None
     balance = _env_choice("MEGATRON_DUALKV_WS_BALANCE", ("auto", "unsplit", "off"))
     if per_part and balance == "auto":
         balance = "unsplit"
-    return k.shape[1], q.shape[1] // k.shape[1], _sm_count(q.device), bool(per_part), balance
+    order = _env_choice("MEGATRON_DUALKV_WS_SPLIT_ORDER", ("auto", "segment", "work"))
+    if per_part and order == "auto":
+        order = "segment"
+    return k.shape[1], q.shape[1] // k.shape[1], _sm_count(q.device), bool(per_part), balance, order
 
 
 _SM_COUNTS: dict = {}

@@ -1636,8 +1636,9 @@ def test_ws_balance_head_parts(hkv, group, shape, whole_parts, row_slots, monkey
     q, k = torch.empty(1, hkv * group, 8), torch.empty(1, hkv, 8)
     monkeypatch.delenv("MEGATRON_DUALKV_WS_BALANCE", raising=False)
     monkeypatch.delenv("MEGATRON_DUALKV_WS_HEAD_PARTS", raising=False)
-    assert cuda_backend.ws_split(q, k) == (hkv, group, 132, False, "auto")
-    assert cuda_backend.ws_split(q, k, per_part=True)[3:] == (True, "unsplit")
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_SPLIT_ORDER", raising=False)
+    assert cuda_backend.ws_split(q, k) == (hkv, group, 132, False, "auto", "auto")
+    assert cuda_backend.ws_split(q, k, per_part=True)[3:] == (True, "unsplit", "segment")
     works = {b: cuda_backend.Work(seg, cpu, split=(hkv, group, 132, False, b), phase=True)
              for b in ("auto", "unsplit", "off")}
     makespan = cuda_backend.modelled_makespan
@@ -1657,6 +1658,40 @@ def test_ws_balance_head_parts(hkv, group, shape, whole_parts, row_slots, monkey
     assert cuda_backend.ws_split(q, k)[4] == "off"
     monkeypatch.setenv("MEGATRON_DUALKV_WS_BALANCE", "1")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_BALANCE must be 'auto', 'unsplit' or 'off', got '1'"):
+        cuda_backend.ws_split(q, k)
+
+
+@pytest.mark.parametrize("hkv, group, shape, reordered", [
+    (1, 4, (8, 1000, 3000), True),      # one kv head: the segment order models 1.31x heaviest first
+    (1, 8, (16, 1024, 2048), False),    # 1.21x: kept (measured 4 % slower heaviest first)
+    (8, 4, (64, 256, 1024), False),     # 8 kv heads: 1.02x
+])
+def test_ws_split_order(hkv, group, shape, reordered, monkeypatch):
+    """A split list's order: by segment (L2), unless the segment order models SPLIT_ORDER_GAP
+    longer than heaviest first (order "auto"); "work" always heaviest first, "segment" never. Both
+    orders hold the same items. ws_split asks "auto" in fast mode and "segment" in deterministic
+    mode; the switch names itself when it is anything else."""
+    n, p, r = shape
+    seg = make_segments([(p, [r] * n)], device="cpu")
+    lists = {o: cuda_backend.ws_kv_work(seg, split=(hkv, group, 132, False, "unsplit", o))[0]
+             for o in ("segment", "auto", "work")}
+    cta = lambda it: it[4] * group + cuda_backend.WS_CTA_OVERHEAD  # noqa: E731
+    assert cuda_backend.split_slots(lists["segment"]) > 0
+    assert sorted(map(tuple, lists["work"])) == sorted(map(tuple, lists["segment"]))
+    assert [cta(it) for it in lists["work"]] == sorted((cta(it) for it in lists["work"]), reverse=True)
+    assert lists["work"] != lists["segment"]
+    span = lambda items: cuda_backend.modelled_makespan(items, hkv, group, 132)  # noqa: E731
+    assert (span(lists["segment"]) > (1 + cuda_backend.SPLIT_ORDER_GAP) * span(lists["work"])) == reordered
+    assert lists["auto"] == (lists["work"] if reordered else lists["segment"])
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
+    q, k = torch.empty(1, hkv * group, 8), torch.empty(1, hkv, 8)
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_SPLIT_ORDER", raising=False)
+    assert [cuda_backend.ws_split(q, k, per_part=d)[5] for d in (False, True)] == ["auto", "segment"]
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT_ORDER", "work")
+    assert [cuda_backend.ws_split(q, k, per_part=d)[5] for d in (False, True)] == ["work", "work"]
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT_ORDER", "lpt")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_SPLIT_ORDER must be 'auto', 'segment' or 'work'"):
         cuda_backend.ws_split(q, k)
 
 
