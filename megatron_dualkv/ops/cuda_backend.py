@@ -329,7 +329,7 @@ _SPLIT_CUT = 320
 # 0.975 and 1.041; at 32 / 8 the segment order was 2 % faster on (64, 256, 1024) at 1.02
 # (thirteenth session). The model leaves out L2, which the segment order is for; hence 25 %
 # (docs/PERF.md, thirty-fifth session).
-SPLIT_ORDER_GAP = 0.255
+SPLIT_ORDER_GAP = 0.25
 _MAX_PARTS, _MAX_SLOTS = 1023, 2047
 
 
