@@ -766,9 +766,10 @@ def test_wsbwd_balance_head_parts(groups, hq, sms, parts, d, deterministic, monk
     """One kv head (a tensor-parallel rank's share: Qwen3-8B's heads at TP = 8 are 4 / 1) on a grid
     of `sms` SMs: the long band's key tiles are about as many as the SMs, none splits by query rows,
     and auto takes head parts for balance (balance_head_parts; the prompt's tail keys merged, its
-    parts walked whole), more than the L2 rule alone (MEGATRON_DUALKV_WS_BALANCE=off) takes. The default run against one
-    CTA per kv head: dq, dk, dv within bf16 rounding and no worse against float64, every element
-    written; deterministic bitwise reproducible, its dq (the dQ kernel's) unchanged."""
+    parts walked whole), more than the L2 rule alone (MEGATRON_DUALKV_WS_BALANCE=off) takes. The
+    default run against one CTA per kv head: dq, dk, dv within bf16 rounding and no worse against
+    float64, every element written; deterministic bitwise reproducible, its dq (the dQ kernel's)
+    unchanged."""
     seg = make_segments(groups, pad=3)
     q, k, v, dout = inputs(seg.num_tokens, hq, 1, d, torch.bfloat16, seed=random.randrange(1 << 20))
     monkeypatch.setitem(cuda_backend._SM_COUNTS, q.device, sms)
