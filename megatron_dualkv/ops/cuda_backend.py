@@ -454,8 +454,8 @@ ROWS_BALANCE_GAIN = 0.04
 
 
 def modelled_makespan(items: list, hkv: int, group: int, sms: int, parts: int = 1) -> float:
-    """Steps until the ws backward's last CTA ends in the list-scheduling model of
-    csrc/ws_block_order_model.py: a CTA lasts its 64-row query tiles x the query heads it walks +
+    """Steps until the ws backward's last CTA ends in a list-scheduling model (which
+    csrc/ws_block_order_model.py sets beside other block orders): a CTA lasts its 64-row query tiles x the query heads it walks +
     WS_CTA_OVERHEAD, `sms` run at once, the next in block order starts on the first SM free. Block
     order as bwd_ws_sm90's map_block: the long band (items 0 .. n_long - 1, field 5) of every kv
     head and head part (a prompt tail's part, field 7 > 0, walked whole by part 0), then the other
