@@ -9,12 +9,14 @@
 //     full width; cuda_backend.ws_fwd_narrow_tail chooses); persistent: one CTA per SM takes the
 //     query tiles in turn (bitwise the same out and lse; cuda_backend.ws_fwd_persistent chooses)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
-//                                deterministic, split_slots=0, tail_slots=0, head_parts=1, long_items=0)
-//                                -> (dq, dk, dv)
+//                                deterministic, split_slots=0, tail_slots=0, head_parts=1, long_items=0,
+//                                dq_beside=False) -> (dq, dk, dv)
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
 //     dQ over row_work (128-row query tiles, cuda_backend's rows128) by the ws dQ kernel, or the
 //     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same; all T query rows only):
-//     bitwise reproducible, and where no key tile is split equal to bwd_sm90's deterministic mode
+//     bitwise reproducible, and where no key tile is split equal to bwd_sm90's deterministic mode;
+//     dq_beside: the dQ kernel may start beside the dK/dV kernel's last wave (under
+//     MEGATRON_DUALKV_DQ_STREAM=auto; cuda_backend.ws_dq_beside chooses)
 //
 // q (and dout, out, lse) hold Tq rows, k and v T rows: Tq = T for the whole micro-batch, fewer for
 // local queries (a context-parallel rank's rows against gathered K/V). Row items (128-row query
@@ -85,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots,
                                                                    int64_t tail_slots, int64_t head_parts,
-                                                                   int64_t long_items) {
+                                                                   int64_t long_items, bool dq_beside) {
   check_ws_qkv(q, k, v);
   check_env_choice(mdkv::ws_dq_mode_from_env(), "MEGATRON_DUALKV_WS_DQ", "'atomic' or 'tma'");
   check_env_choice(mdkv::ws_bwd_query_tile_from_env(), "MEGATRON_DUALKV_WS_BWD_QTILE", "'64' or '80'");
@@ -166,9 +168,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
     return {dq, dk, dv};
   }
   // Deterministic: delta, then the dK/dV kernel and the dQ kernel, which need nothing of each
-  // other. Where key tiles are split (short prompts, many responses: many short CTAs) the dQ
-  // kernel's CTAs fill the SMs the dK/dV kernel's last wave leaves idle (on the long shapes, which
-  // split nothing, -0.7 to +4 %: docs/PERF.md, twenty-third session). Either as a programmatic
+  // other. Where the dK/dV kernel's last wave leaves SMs idle (dq_beside, cuda_backend.ws_dq_beside:
+  // key tiles split by query rows, or head parts for balance) the dQ kernel's CTAs fill them (on
+  // the long shapes at 32 / 8, which split nothing, -0.7 to +4 %: docs/PERF.md, twenty-third
+  // session). Either as a programmatic
   // dependent launch behind it on this stream ("pdl"; its CTAs start once every dK/dV CTA has
   // started), or on a second stream that this one then waits for, so that every tensor used there
   // is ordered before its memory can be reused. auto: pdl, except under
@@ -178,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   // shapes; under one queue the second stream was never slow and 0.3-0.8 % faster than pdl
   // (docs/PERF.md, twenty-fifth session).
   const int side_mode = mdkv::dq_side_stream_from_env();  // 2 auto, 1 second stream, 0 serial, 3 pdl
-  const bool overlap = side_mode == 1 || side_mode == 3 || (side_mode == 2 && split_slots > 0);
+  const bool overlap = side_mode == 1 || side_mode == 3 || (side_mode == 2 && dq_beside);
   const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   const bool one_queue = queues != nullptr && std::atoi(queues) == 1;
   // (kv items: the dK/dV kernel is launched, so the dQ kernel may overlap it and not delta, whose
@@ -226,7 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // persistent argument, a format-6 one reads 8 fields. 8: the ws dQ kernel (deterministic backward)
 // reads row item field 6, the local row of its first query, and takes local queries; a format-7
 // build refuses them. 9: bwd_ws_sm90 takes head_parts and long_items (a format-8 build has neither).
-constexpr int64_t kWsListFormat = 9;
+// 10: and dq_beside (a format-9 build decides it from split_slots alone).
+constexpr int64_t kWsListFormat = 10;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
@@ -234,7 +238,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True, bool persistent=False");
   m.def(ws_fwd.c_str());
   std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
-  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0, int tail_slots=0, int head_parts=1, int long_items=0");
+  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0, int tail_slots=0, int head_parts=1, int long_items=0, bool dq_beside=False");
   m.def(ws_bwd.c_str());
 }
 

@@ -107,8 +107,8 @@ def _load() -> tuple[bool, str]:
 # head of a response's first key tile, 9: where a slot's rows are stored) and bwd_ws_sm90 takes
 # tail_slots; 8: the ws dQ kernel reads row item field 6 (q0's row in q) and the deterministic
 # backward takes local queries (a format-7 build would refuse them); 9: bwd_ws_sm90 takes
-# head_parts and long_items (`ws_head_parts`).
-WS_LIST_FORMAT = 9
+# head_parts and long_items (`ws_head_parts`); 10: and dq_beside (`ws_dq_beside`).
+WS_LIST_FORMAT = 10
 
 
 def _list_format_problem() -> str:
@@ -917,6 +917,19 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
     return parts, work.ws_long_items
 
 
+def ws_dq_beside(work: "Work", head_parts: int) -> bool:
+    """Whether the deterministic ws backward's dQ kernel may start beside its dK/dV kernel's last
+    wave (bwd_ws_sm90's dq_beside; MEGATRON_DUALKV_DQ_STREAM=auto): where the list splits key tiles
+    by query rows (many short CTAs; twenty-third and twenty-fifth sessions) or walks its long band in
+    head parts taken for balance (`balance_head_parts`: a tensor-parallel rank's few kv heads, whose
+    long band about fills the grid once). H100 bwd, beside / after, in four runs: 0.983-0.991 on
+    (28, 16384, 2048) at 4 / 1 and (32, 8192, 1024) at 8 / 2 and 16 / 2, also under one hardware
+    queue, 0.983-1.000 on (28, 16384, 2048) at 8 / 1; where the parts are for L2 alone
+    (`auto_head_parts`) 0.994-1.014, so not there, nor on the long shapes' unsplit lists at 32 / 8
+    (docs/PERF.md, thirty-sixth session)."""
+    return bool(work.ws_slots[0]) or (head_parts > 1 and work.ws_balance_parts > 1)
+
+
 def auto_head_parts(group: int, own_share: float) -> int:
     """1 below HEAD_PARTS_GROUP query heads per kv head or OWN_WALKS own walks per CTA (group x
     own_share); else the fewest parts, a power of two up to 8 dividing the group, that leave a CTA
@@ -1019,7 +1032,7 @@ def _register_python_side() -> None:
         torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_ws_fake)
 
     def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, split_slots=0,
-                  tail_slots=0, head_parts=1, long_items=0):
+                  tail_slots=0, head_parts=1, long_items=0, dq_beside=False):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     torch.library.register_fake("megatron_dualkv::bwd")(_bwd_fake)
@@ -1166,7 +1179,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                         split is not None and ws_tail_merge())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
     if bwd_kernel == "ws":
-        slots = (*slots, *ws_head_parts(work, q.shape[1] // k.shape[1], split is not None))
+        parts = ws_head_parts(work, q.shape[1] // k.shape[1], split is not None)
+        slots = (*slots, *parts, ws_dq_beside(work, parts[0]))
     d = q.shape[-1]
     fwd_tiling = (ws_fwd_tile(work, d), ws_fwd_narrow_tail(), ws_fwd_persistent(work, d)) if fi == "ws" else (128, False, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,

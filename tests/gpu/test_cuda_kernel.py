@@ -797,19 +797,31 @@ def test_wsbwd_head_parts_must_divide_the_group(monkeypatch):
         cuda_backend.forward(q, k, v, seg, 0.1)
 
 
+# One kv head on a grid of 20 SMs (monkeypatched): the deterministic lists split nothing and take
+# head parts for balance (test_wsbwd_balance_head_parts' first layout)
+HEAD_PARTS_CASE = ([(3000, [300] * 5)], 3, 8, 1, 128, torch.bfloat16)
+
+
 @gpu
-@pytest.mark.parametrize("case", [1, 3, 4])  # the layouts whose key tiles split (CASES)
+@pytest.mark.parametrize("case", [1, 3, 4, "head parts"])  # the layouts whose key tiles split (CASES), or in head parts
 @pytest.mark.parametrize("mode", ["auto", "auto, one queue", "pdl", "1"])
 def test_wsbwd_deterministic_dq_beside_dkdv(case, mode, monkeypatch):
     """The deterministic backward's dQ kernel beside its dK/dV kernel (MEGATRON_DUALKV_DQ_STREAM:
-    "pdl", a programmatic dependent launch on the same stream, auto's choice; "1", a second
-    stream, auto's under CUDA_DEVICE_MAX_CONNECTIONS=1) gives bitwise what the two one after the
-    other give ("0"), and the stream's next work sees both kernels complete: copies enqueued right
-    behind the backward equal the gradients read after a device synchronize (a dQ grid finishing
-    before the dK/dV grid would show as a stale dk or dv copy)."""
-    groups, pad, hq, hkv, d, dtype = CASES[case]
+    "pdl", a programmatic dependent launch on the same stream, auto's choice where key tiles split
+    or the long band runs in head parts; "1", a second stream, auto's under
+    CUDA_DEVICE_MAX_CONNECTIONS=1) gives bitwise what the two one after the other give ("0"), and
+    the stream's next work sees both kernels complete: copies enqueued right behind the backward
+    equal the gradients read after a device synchronize (a dQ grid finishing before the dK/dV grid
+    would show as a stale dk or dv copy)."""
+    groups, pad, hq, hkv, d, dtype = HEAD_PARTS_CASE if case == "head parts" else CASES[case]
     seg = make_segments(groups, pad)
-    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=3030 + case + random.randrange(1 << 20))
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, dtype, seed=3030 + random.randrange(1 << 20))
+    if case == "head parts":
+        monkeypatch.setitem(cuda_backend._SM_COUNTS, q.device, 20)
+        monkeypatch.delenv("MEGATRON_DUALKV_WS_HEAD_PARTS", raising=False)
+        work = cuda_backend.work_tensors(seg, q.device, None, cuda_backend.ws_split(q, k, per_part=True))
+        parts = cuda_backend.ws_head_parts(work, hq // hkv)[0]
+        assert work.ws_slots[0] == 0 and parts > 1 and cuda_backend.ws_dq_beside(work, parts), (work.ws_slots, parts)
 
     def run():
         qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
@@ -1660,6 +1672,29 @@ def test_ws_balance_head_parts(hkv, group, shape, whole_parts, row_slots, monkey
     monkeypatch.setenv("MEGATRON_DUALKV_WS_BALANCE", "1")
     with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_BALANCE must be 'auto', 'unsplit' or 'off', got '1'"):
         cuda_backend.ws_split(q, k)
+
+
+@pytest.mark.parametrize("hkv, group, shape, parts, split, beside", [
+    (1, 4, (28, 16384, 2048), 2, False, True),    # head parts for balance
+    (2, 4, (32, 8192, 1024), 2, False, True),
+    (1, 4, (28, 16384, 1024), 1, True, True),     # deterministic mode keeps its split by query rows
+    (4, 8, (16, 65536, 1024), 4, False, False),   # head parts for L2 alone
+    (8, 4, (28, 16384, 2048), 1, False, False),   # one CTA per key tile, no split
+])
+def test_ws_dq_beside(hkv, group, shape, parts, split, beside, monkeypatch):
+    """ws_dq_beside on the deterministic lists (what forward() builds): the dQ kernel beside the
+    dK/dV kernel's last wave where key tiles split by query rows or the long band runs in head parts
+    for balance, not where the parts are for L2 alone or nothing is split."""
+    n, p, r = shape
+    seg = make_segments([(p, [r] * n)], device="cpu")
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
+    for var in ("MEGATRON_DUALKV_WS_BALANCE", "MEGATRON_DUALKV_WS_HEAD_PARTS", "MEGATRON_DUALKV_WS_SPLIT_ORDER"):
+        monkeypatch.delenv(var, raising=False)
+    lists = cuda_backend.ws_split(torch.empty(1, hkv * group, 8), torch.empty(1, hkv, 8), per_part=True)
+    work = cuda_backend.Work(seg, cpu, split=lists)
+    assert (cuda_backend.ws_head_parts(work, group)[0], bool(work.ws_slots[0])) == (parts, split)
+    assert cuda_backend.ws_dq_beside(work, parts) == beside
 
 
 @pytest.mark.parametrize("hkv, group, shape, reordered", [
