@@ -952,8 +952,9 @@ def ws_split(q: Tensor, k: Tensor, per_part: bool = False) -> Optional[tuple[int
     - balance: head parts for balance (`balance_head_parts`): "auto" on lists not split by query
       rows and, in fast mode, in place of a split where they model ROWS_BALANCE_GAIN shorter
       (`split_by_rows`); "unsplit" the former only (deterministic mode: on (28, 16384, 1024) at
-      4 / 1 its split was 1.6 % faster than head parts, where fast mode's was 13 % slower); "off"
-      none. MEGATRON_DUALKV_WS_BALANCE=unsplit or =off forces one.
+      4 / 1 head parts in place of its split measured level with it, 1.002, once its dQ kernel
+      runs beside them (`ws_dq_beside`; 1.016 with it launched after), where fast mode's split was
+      13 % slower); "off" none. MEGATRON_DUALKV_WS_BALANCE=unsplit or =off forces one.
     - order: a split list's order (`split_by_rows`): "auto" by segment unless heaviest first
       models SPLIT_ORDER_GAP shorter; deterministic mode "segment" (heaviest first measured 1.002
       and 1.023 there at 4 / 1: its dQ kernel on a second stream fills a short dK/dV tail);
