@@ -184,14 +184,15 @@ __device__ __forceinline__ void store_ds_qk(T* panel, int row0, int lane, const 
 // first the long items (0 .. n_long - 1, field 5 of every item; cuda_backend.ws_kv_work) of
 // every kv head, then the others. One band, head-major throughout, started the last kv head's
 // long prompt tiles after most short response tiles: the tail made (28, 4096, R) ~11 % slower.
-// Head parts (a.head_parts > 1, the long band only): each long item runs as head_parts CTAs per kv
-// head, part j walking query heads j * group / head_parts .. of the group, kv-head-major then
-// part-major, so that the CTAs resident at once walk the same query heads: walks of 8 heads (Hq /
-// Hkv = 32 / 4) drift apart by one causal walk per head, and the resident CTAs' rows no longer fit
-// in L2 (docs/PERF.md, thirty-third session). The parts' dK/dV are summed like a split key tile's,
-// in slots from a.head_slot_base. A long item that is a prompt tail's part (field 7 > 0) keeps its
-// own slot and is walked whole by part 0; its other parts' CTAs exit at once (head_part >=
-// head_parts).
+// Head parts (a.head_parts > 1 in the long band, a.rest_parts > 1 in the second): each item of the
+// band runs as that many CTAs per kv head, part j walking query heads j * group / parts .. of the
+// group, kv-head-major then part-major inside the band, so that the CTAs resident at once walk the
+// same query heads: walks of 8 heads (Hq / Hkv = 32 / 4) drift apart by one causal walk per head,
+// and the resident CTAs' rows no longer fit in L2 (docs/PERF.md, thirty-third session; the
+// responses' own walks on multi-group GRPO layouts, thirty-sixth session §4-§5). The parts' dK/dV
+// are summed like a split key tile's, in slots from a.head_slot_base. An item that is a prompt
+// tail's part (field 7 > 0) keeps its own slot and is walked whole by part 0; its other parts'
+// CTAs exit at once (head_part >= head_parts).
 struct BlockMap {
   int item, hk, head_parts, head_part;
 };
@@ -201,7 +202,7 @@ __device__ __forceinline__ BlockMap map_block(const DkvArgs& a, unsigned block) 
   const bool in_long = (int)block < long_blocks;
   const int band_block = (int)block - (in_long ? 0 : long_blocks);  // block index inside its band
   const int band_items = in_long ? n_long : a.num_items - n_long;
-  const int parts = in_long ? a.head_parts : 1;
+  const int parts = in_long ? a.head_parts : a.rest_parts;
   const int hkp = band_block / band_items, item = (in_long ? 0 : n_long) + band_block % band_items;
   const bool whole = parts > 1 && a.work[item * kWsKvItemInts + 7] > 0;  // a tail's part
   return {item, hkp / parts, whole ? 1 : parts, hkp % parts};
@@ -863,8 +864,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
   T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
   // a split part (field 7 > 0) or a head part: part `part` of `parts` summed in slot `slot` (head
-  // parts: slot base + item, deterministic base + item * head_parts, each part then in a slot of
-  // its own)
+  // parts: slot base + item, deterministic base + item * max(head_parts, rest_parts), each part
+  // then in a slot of its own)
   const BlockMap em = map_block(a, ctaid_x());
   const int split_field = w[7] > 0 ? w[7] : 0;
   const bool split = em.head_parts > 1 || split_field > 0;
@@ -877,7 +878,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // shapes). Deterministic: stored into a slot of its own, and the sum is taken over the parts'
     // slots in part order, so it does not depend on which part finishes when. Either way the part
     // that finishes last (a ticket after __threadfence) converts the sums to T.
-    const int slot = em.head_parts > 1 ? a.head_slot_base + (kDQ ? em.item : em.item * em.head_parts)
+    const int slot = em.head_parts > 1 ? a.head_slot_base + (kDQ ? em.item : em.item * a.det_slot_stride)
                                        : split_field >> 20;
     const int part = em.head_parts > 1 ? em.head_part : (split_field >> 10) & 1023;
     const int parts = em.head_parts > 1 ? em.head_parts : split_field & 1023;
@@ -999,8 +1000,8 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
       !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, QT, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, QT, es) ||
       (kTmaDQ && with_dq && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq, QT)))
     return cudaErrorInvalidResourceHandle;
-  // (head parts: the long items' CTAs head_parts times)
-  const long blocks = ((long)ka.num_items + (long)ka.long_items * (ka.head_parts - 1)) * ka.hkv;
+  // (head parts: the long items' CTAs head_parts times, the others' rest_parts times)
+  const long blocks = ((long)ka.long_items * ka.head_parts + (long)(ka.num_items - ka.long_items) * ka.rest_parts) * ka.hkv;
   k<<<(unsigned)blocks, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
   return cudaGetLastError();
 }

@@ -10,7 +10,7 @@
 //     query tiles in turn (bitwise the same out and lse; cuda_backend.ws_fwd_persistent chooses)
 //   megatron_dualkv::bwd_ws_sm90(dout, q, k, v, out, lse, dlse?, row_work, kv_work, kv_ranges, scale,
 //                                deterministic, split_slots=0, tail_slots=0, head_parts=1, long_items=0,
-//                                dq_beside=False) -> (dq, dk, dv)
+//                                dq_beside=False, rest_parts=1) -> (dq, dk, dv)
 //     deterministic: dK/dV by the ws kernel without dQ, every key tile's walk in list order, then
 //     dQ over row_work (128-row query tiles, cuda_backend's rows128) by the ws dQ kernel, or the
 //     sm90 one with MEGATRON_DUALKV_DQ_KERNEL=sm90 (bitwise the same; all T query rows only):
@@ -30,6 +30,9 @@
 // part, cuda_backend.ws_head_parts): the first long_items kv items (item field 5, the long band)
 // run as head_parts CTAs per kv head, each walking Hq / Hkv / head_parts query heads, their dK/dV
 // summed in a workspace slot per item (deterministic: per item and part) after the tails' slots.
+// rest_parts > 1 (cuda_backend.ws_rest_parts): the other items likewise, in rest_parts CTAs per kv
+// head; then long_items must be item field 5 even where head_parts = 1, and every item has a slot
+// (deterministic: max(head_parts, rest_parts) per item).
 // The work lists come from megatron_dualkv/ops/cuda_backend.py, which also registers the fake
 // implementations.
 
@@ -40,6 +43,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
@@ -87,7 +91,8 @@ std::tuple<at::Tensor, at::Tensor> dualkv_fwd_ws_sm90(const at::Tensor& q, const
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAMS, int64_t split_slots,
                                                                    int64_t tail_slots, int64_t head_parts,
-                                                                   int64_t long_items, bool dq_beside) {
+                                                                   int64_t long_items, bool dq_beside,
+                                                                   int64_t rest_parts) {
   check_ws_qkv(q, k, v);
   check_env_choice(mdkv::ws_dq_mode_from_env(), "MEGATRON_DUALKV_WS_DQ", "'atomic' or 'tma'");
   check_env_choice(mdkv::ws_bwd_query_tile_from_env(), "MEGATRON_DUALKV_WS_BWD_QTILE", "'64' or '80'");
@@ -105,10 +110,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   TORCH_CHECK(head_parts == 1 || split_slots == 0, "megatron_dualkv: head_parts = ", head_parts,
               " on a list with key tiles split by query rows (split_slots = ", split_slots,
               "); head parts take unsplit lists only");
+  TORCH_CHECK(rest_parts >= 1 && group % rest_parts == 0, "megatron_dualkv: rest_parts = ", rest_parts,
+              " does not divide the ", group, " query heads per kv head");
+  TORCH_CHECK(rest_parts == 1 || split_slots == 0, "megatron_dualkv: rest_parts = ", rest_parts,
+              " on a list with key tiles split by query rows (split_slots = ", split_slots,
+              "); head parts take unsplit lists only");
   TORCH_CHECK(long_items >= 0 && long_items <= kv_work.size(0), "megatron_dualkv: long_items = ", long_items,
               " is not between 0 and the ", kv_work.size(0), " kv items");
-  // head parts: a slot per long item (deterministic: per long item and part) after the tails'
-  const int64_t slots = split_slots + tail_slots + (head_parts > 1 ? long_items * (deterministic ? head_parts : 1) : 0);
+  // head parts: a slot per item in parts (the long band's, and with rest_parts > 1 every item;
+  // deterministic: per item and part, max(head_parts, rest_parts) slots an item) after the tails'
+  const int64_t stride = std::max(head_parts, rest_parts);
+  const int64_t part_items = rest_parts > 1 ? kv_work.size(0) : (head_parts > 1 ? long_items : 0);
+  const int64_t slots = split_slots + tail_slots + part_items * (deterministic ? stride : 1);
   const BwdInputs in = check_bwd_inputs(dout, q, out, lse, dlse, "Tq");
   if (deterministic) {
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
@@ -146,7 +159,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   ka.reverse_rows = split_slots > 0 && mdkv::ws_reverse_rows_from_env() == 1;
   ka.skip_masked_steps = deterministic && mdkv::det_skip_from_env() == 1;
   ka.head_parts = (int)head_parts;
-  ka.long_items = head_parts > 1 ? (int)long_items : 0;
+  ka.rest_parts = (int)rest_parts;
+  ka.long_items = head_parts > 1 || rest_parts > 1 ? (int)long_items : 0;
+  ka.det_slot_stride = (int)stride;
   ka.head_slot_base = (int)(split_slots + tail_slots);
   // dK/dV of the key tiles split by query rows and of the prompt tails, and their tickets: fast
   // mode, one slot of sums per split tile or tail (zeroed: parts add into it); deterministic, one
@@ -229,8 +244,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // persistent argument, a format-6 one reads 8 fields. 8: the ws dQ kernel (deterministic backward)
 // reads row item field 6, the local row of its first query, and takes local queries; a format-7
 // build refuses them. 9: bwd_ws_sm90 takes head_parts and long_items (a format-8 build has neither).
-// 10: and dq_beside (a format-9 build decides it from split_slots alone).
-constexpr int64_t kWsListFormat = 10;
+// 10: and dq_beside (a format-9 build decides it from split_slots alone). 11: and rest_parts
+// (the second band's items in head parts; a format-10 build has no such argument).
+constexpr int64_t kWsListFormat = 11;
 
 TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
@@ -238,7 +254,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True, bool persistent=False");
   m.def(ws_fwd.c_str());
   std::string ws_bwd = mdkv::op_args::bwd_schema("bwd_ws_sm90");
-  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0, int tail_slots=0, int head_parts=1, int long_items=0, bool dq_beside=False");
+  ws_bwd.insert(ws_bwd.find(") ->"), ", int split_slots=0, int tail_slots=0, int head_parts=1, int long_items=0, bool dq_beside=False, int rest_parts=1");
   m.def(ws_bwd.c_str());
 }
 

@@ -107,8 +107,9 @@ def _load() -> tuple[bool, str]:
 # head of a response's first key tile, 9: where a slot's rows are stored) and bwd_ws_sm90 takes
 # tail_slots; 8: the ws dQ kernel reads row item field 6 (q0's row in q) and the deterministic
 # backward takes local queries (a format-7 build would refuse them); 9: bwd_ws_sm90 takes
-# head_parts and long_items (`ws_head_parts`); 10: and dq_beside (`ws_dq_beside`).
-WS_LIST_FORMAT = 10
+# head_parts and long_items (`ws_head_parts`); 10: and dq_beside (`ws_dq_beside`); 11: and rest_parts
+# (`ws_rest_parts`).
+WS_LIST_FORMAT = 11
 
 
 def _list_format_problem() -> str:
@@ -751,6 +752,10 @@ class Work:
         self.ws_long_own_share = long_band_own_share(ws_items, ws_ranges)
         self.ws_balance_parts = (balance_head_parts(ws_items, *split[:3])
                                  if _balance(split) != "off" and not self.ws_slots[0] else 1)
+        # the second band's head parts under auto (`ws_rest_parts`): fast mode's unsplit lists only
+        self.ws_rest_parts = (auto_rest_parts(ws_items, *split[:3], max(
+            auto_head_parts(split[1], self.ws_long_own_share), self.ws_balance_parts))
+            if split is not None and not per_part and not self.ws_slots[0] else 1)
         if not self.local:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
@@ -917,6 +922,57 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
     return parts, work.ws_long_items
 
 
+# Head parts of the ws backward's second band (`ws_rest_parts`): a response's key tiles walk their
+# causal rows once per query head, one head after the other; over 8 heads the CTAs of a response
+# drift apart and their rows overflow L2 (group 8 took 18-20 % more cycles than group 4 for the same
+# work on 8 groups of (16, 1024, 2048), ncu L2 hit 72 against 79 %; docs/PERF.md, thirty-sixth
+# session §4). Parts of 4 heads each (group 8: 2, group 16: 4; at 32 / 2, 8 groups of
+# (16, 1024, 2048), 4 parts 0.83 and 2 parts 0.90 of one), where (H100, fast mode, bwd, 2 parts / 1,
+# thirty-seventh session): the second band's key tiles walk REST_PARTS_STEPS 64-row steps per head
+# on average (0.935-0.965 at 14-36 on multi-group layouts at 32 / 4 and 16 / 2; 1.063-1.065 at 9.6,
+# where a part's own costs, a K/V load, a prologue and the fp32 slot adds, outweigh it; level at
+# 60 and 1.018 at 129); the band holds REST_PARTS_SHARE of the steps or more (the long
+# single-group shapes, 1-3 %, measured level); and the long band's longest CTA is under
+# REST_PARTS_CRITICAL of an SM's ideal share (at 8 / 1 those CTAs, 0.97 of it, set the makespan:
+# 1.014). Not in deterministic mode (1.053: each part stores its sums and the last adds them) nor
+# on split lists.
+REST_PARTS_STEPS = (12.0, 48.0)
+REST_PARTS_SHARE = 0.15
+REST_PARTS_CRITICAL = 0.9
+
+
+def auto_rest_parts(items: list, hkv: int, group: int, sms: int, head_parts: int = 1) -> int:
+    """group / 4 or 1: the second band's head parts on a fast-mode list by the rule above
+    (`head_parts`: the long band's, which shorten its longest CTA)."""
+    n_long = items[0][5] if items else 0
+    rest = items[n_long:]
+    if group < HEAD_PARTS_GROUP or not rest or group % 4:
+        return 1
+    mean_steps = sum(it[4] for it in rest) / len(rest)
+    rest_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD for it in rest)
+    long_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD * head_parts for it in items[:n_long])
+    longest = max((it[4] * group / head_parts + WS_CTA_OVERHEAD for it in items[:n_long]), default=0.0)
+    lo, hi = REST_PARTS_STEPS
+    if (not lo <= mean_steps <= hi or rest_steps < REST_PARTS_SHARE * (rest_steps + long_steps)
+            or longest > REST_PARTS_CRITICAL * (rest_steps + long_steps) / sms):
+        return 1
+    return group // 4
+
+
+def ws_rest_parts(work: "Work", group: int) -> int:
+    """Head parts of the ws backward's second band (bwd_ws_sm90's rest_parts): every item after the
+    long band as rest_parts CTAs per kv head, each walking group / rest_parts query heads, their
+    dK/dV summed in fp32 slots (one per item and kv head, about 2 / group of the fast mode's fp32 dQ
+    sums in size; deterministic: one per part). auto: `auto_rest_parts` (Work.ws_rest_parts), 1 on lists
+    split by query rows and deterministic lists. MEGATRON_DUALKV_WS_REST_PARTS=1, 2, 4 or 8 forces
+    the parts where the list allows them (must divide the group)."""
+    forced = _env_choice("MEGATRON_DUALKV_WS_REST_PARTS", ("auto", "1", "2", "4", "8"))
+    parts = work.ws_rest_parts if forced == "auto" else int(forced)
+    if group % parts:
+        raise ValueError(f"MEGATRON_DUALKV_WS_REST_PARTS={parts} does not divide the {group} query heads per kv head")
+    return 1 if work.ws_slots[0] else parts
+
+
 def ws_dq_beside(work: "Work", head_parts: int) -> bool:
     """Whether the deterministic ws backward's dQ kernel may start beside its dK/dV kernel's last
     wave (bwd_ws_sm90's dq_beside; MEGATRON_DUALKV_DQ_STREAM=auto): where the list splits key tiles
@@ -1033,7 +1089,7 @@ def _register_python_side() -> None:
         torch.library.register_fake("megatron_dualkv::fwd_ws_sm90")(_fwd_ws_fake)
 
     def _bwd_fake(dout, q, k, v, out, lse, dlse, row_work, kv_work, kv_ranges, scale, deterministic, split_slots=0,
-                  tail_slots=0, head_parts=1, long_items=0, dq_beside=False):
+                  tail_slots=0, head_parts=1, long_items=0, dq_beside=False, rest_parts=1):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     torch.library.register_fake("megatron_dualkv::bwd")(_bwd_fake)
@@ -1047,7 +1103,8 @@ class _DualKVFunction(torch.autograd.Function):
     bwd_kind, slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
     (`_lists` picks the work lists that match both kinds); slots: the ws backward's workspace slots
     (key tiles split by query rows, prompt tails: `Work.ws_slots`), then its head parts and long
-    items (`ws_head_parts`); fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
+    items (`ws_head_parts`), dq_beside (`ws_dq_beside`) and the second band's parts
+    (`ws_rest_parts`); fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
     persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`, `ws_fwd_persistent`)."""
 
     @staticmethod
@@ -1180,8 +1237,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
                         split is not None and ws_tail_merge())
     fwd_rows, bwd_rows, kv, ranges, bwd_kernel, slots = _lists(work, fi, bi)
     if bwd_kernel == "ws":
-        parts = ws_head_parts(work, q.shape[1] // k.shape[1], split is not None)
-        slots = (*slots, *parts, ws_dq_beside(work, parts[0]))
+        group = q.shape[1] // k.shape[1]
+        head_parts, long_items = ws_head_parts(work, group, split is not None)
+        rest_parts = ws_rest_parts(work, group)
+        if rest_parts > 1:  # the kernel then counts the long band's CTAs from long_items
+            long_items = work.ws_long_items
+        slots = (*slots, head_parts, long_items, ws_dq_beside(work, head_parts), rest_parts)
     d = q.shape[-1]
     fwd_tiling = (ws_fwd_tile(work, d), ws_fwd_narrow_tail(), ws_fwd_persistent(work, d)) if fi == "ws" else (128, False, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,

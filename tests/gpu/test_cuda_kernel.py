@@ -789,6 +789,84 @@ def test_wsbwd_balance_head_parts(groups, hq, sms, parts, d, deterministic, monk
 
 
 @gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hq, hkv, head, rest, d, tails", [
+    (16, 2, 1, 2, 128, False), (16, 2, 2, 2, 128, True), (32, 4, 1, 4, 128, False), (32, 4, 4, 2, 64, True),
+    (8, 1, 2, 8, 128, False), (16, 2, 1, 2, 64, True), (24, 2, 4, 2, 128, False), (20, 2, 1, 2, 64, False),
+    (32, 2, 8, 4, 128, True), (8, 2, 1, 4, 64, False),
+])
+def test_wsbwd_rest_parts(hq, hkv, head, rest, d, tails, deterministic, monkeypatch):
+    """The second band's key tiles (every item after the long band: the responses' own tiles) as
+    `rest` CTAs per kv head (MEGATRON_DUALKV_WS_REST_PARTS), beside the long band's `head` parts,
+    against one CTA walking each key tile's whole group: dq, dk, dv within bf16 rounding and no
+    worse against float64, every element written (poisoned buffers); deterministic mode bitwise
+    reproducible (each part its own slot, max(head, rest) slots an item) and its dq (the dQ
+    kernel's) unchanged. Several groups with responses of 1 to 1029 tokens; with `tails` the list
+    is built for 8 SMs, which splits nothing and merges the prompts' tail keys into their
+    responses' first key tiles, walked whole by part 0 in either band."""
+    seg = make_segments([(1000, [1, 300, 1029, 64]), (256, [17] * 9), (77, [500, 3])], pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    if tails:
+        monkeypatch.setitem(cuda_backend._SM_COUNTS, q.device, 8)
+    else:
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    split = cuda_backend.ws_split(q, k, per_part=deterministic)
+    work = cuda_backend.work_tensors(seg, q.device, None, split, not deterministic, merge_tails=tails)
+    items = work.ws_kv.tolist()
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(head))
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(rest))
+    assert cuda_backend.ws_rest_parts(work, hq // hkv) == rest and 0 < work.ws_long_items < len(items)
+    assert work.ws_slots[0] == 0 and (work.ws_slots[1] > 0) == tails, work.ws_slots
+    if tails:
+        assert any(it[7] > 0 for it in items[work.ws_long_items:]), "no tail part in the second band"
+    ex = exact(q, k, v, dout, seg, 0.1)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", "1")
+    whole = run_kernel(q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws", deterministic=deterministic)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(head))
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(rest))
+    parts = run_kernel(q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws", deterministic=deterministic)
+    assert_close_no_worse(parts, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head", finite=True)
+    if deterministic:
+        again = run_kernel(q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws", deterministic=True)
+        assert_same_bits([parts, again], ["dq", "dk", "dv"], "between two deterministic runs with rest parts")
+        assert torch.equal(parts[2], whole[2]), "dq (the dQ kernel's) changed with rest parts"
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hq, hkv, head, rest, d", [(16, 2, 1, 2, 128), (32, 2, 2, 4, 64)])
+def test_wsbwd_rest_parts_local_queries(hq, hkv, head, rest, d, deterministic, monkeypatch):
+    """Second-band head parts on a rank's local queries (context parallelism; lists from the held
+    rows' runs) against one CTA per key tile and kv head: dq (held rows), dk, dv within bf16
+    rounding and no worse against float64 (dout zero on the rows not held), every element written;
+    deterministic bitwise reproducible, its dq (the dQ kernel's) unchanged. Fast mode runs the
+    fused kernel (MEGATRON_DUALKV_FAST_BWD=fused)."""
+    seg = make_segments([(1000, [1, 300, 1029, 64]), (256, [17] * 9)], pad=3)
+    q, k, v, dout = inputs(seg.num_tokens, hq, hkv, d, torch.bfloat16, seed=random.randrange(1 << 20))
+    rows = cp_like_rows(seg.num_tokens, seed=7)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "fused")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_SPLIT", "0")
+    work = cuda_backend.work_tensors(seg, q.device, cuda_backend.cached_query_chunks(seg, rows), None,
+                                     not deterministic)
+    assert 0 < work.ws_long_items < len(work.ws_kv.tolist())
+    ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, held_rows_only(dout, rows), seg, 0.1)
+    ex = (ex_out, ex_lse, ex_dq[rows], ex_dk, ex_dv)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", "1")
+    whole = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(head))
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(rest))
+    assert cuda_backend.ws_rest_parts(work, hq // hkv) == rest
+    parts = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
+    assert_close_no_worse(parts, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head (local queries)", finite=True)
+    if deterministic:
+        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, rows=rows)
+        assert_same_bits([parts, again], ["dq", "dk", "dv"], "between two deterministic runs with rest parts")
+        assert torch.equal(parts[2], whole[2]), "dq (the dQ kernel's) changed with rest parts"
+
+
+@gpu
 def test_wsbwd_head_parts_must_divide_the_group(monkeypatch):
     seg = make_segments([(300, [100, 200])])
     q, k, v, _ = inputs(seg.num_tokens, 8, 2, 128, torch.bfloat16, seed=0)
@@ -1695,6 +1773,78 @@ def test_ws_dq_beside(hkv, group, shape, parts, split, beside, monkeypatch):
     work = cuda_backend.Work(seg, cpu, split=lists)
     assert (cuda_backend.ws_head_parts(work, group)[0], bool(work.ws_slots[0])) == (parts, split)
     assert cuda_backend.ws_dq_beside(work, parts) == beside
+
+
+def spread_groups(groups, n, p, r, spread=0.5):
+    """`groups` groups of a prompt of p tokens and n responses evenly spaced from r (1 - spread) to
+    r (1 + spread) (mean r), each group in its own fixed shuffled order (tools/bench_kernel.py's
+    --groups --spread layouts)."""
+    lengths = [round(r * (1 - spread + 2 * spread * i / (n - 1))) for i in range(n)] if n > 1 else [r]
+    out = []
+    for g in range(groups):
+        order = lengths[:]
+        random.Random(g).shuffle(order)
+        out.append((p, order))
+    return out
+
+
+@pytest.mark.parametrize("hq, hkv, groups, shape, deterministic, parts", [
+    (32, 4, 8, (16, 1024, 2048), False, 2),   # 18 steps a head: measured bwd 0.94-0.97
+    (16, 2, 8, (16, 1024, 2048), False, 2),
+    (32, 2, 8, (16, 1024, 2048), False, 4),   # group 16: 4 parts of 4 heads (measured 0.83; 2: 0.90)
+    (32, 4, 4, (16, 1024, 1536), False, 2),   # 14 steps
+    (32, 4, 8, (16, 512, 1024), False, 1),    # 9.6 steps: the parts' own costs (measured 1.06)
+    (32, 4, 4, (8, 2048, 8192), False, 1),    # 60 steps (measured level)
+    (8, 1, 8, (16, 1024, 2048), False, 1),    # the long band's CTAs set the makespan (measured 1.014)
+    (16, 4, 8, (16, 1024, 2048), False, 1),   # group 4 (measured 1.09)
+    (32, 8, 8, (16, 1024, 2048), False, 1),
+    (32, 4, 8, (16, 1024, 2048), True, 1),    # deterministic (measured 1.05)
+    (32, 4, 1, (28, 4096, 2048), False, 2),   # one group, second band a fifth of the steps (0.97)
+    (32, 4, 1, (16, 32768, 2048), False, 1),  # second band 2 % of the steps (measured level)
+    (32, 4, 1, (64, 256, 1024), False, 1),    # split by query rows
+])
+def test_ws_rest_parts_rule(hq, hkv, groups, shape, deterministic, parts, monkeypatch):
+    """auto_rest_parts on the lists forward() builds (132 SMs): group / 4 parts at 8 query heads
+    per kv head or more on fast-mode unsplit lists whose second band walks REST_PARTS_STEPS steps
+    per head on average, holds REST_PARTS_SHARE of the steps and does not wait on a long-band CTA
+    near an SM's whole share; ws_rest_parts gives it under auto; the slots take about 2 / group of
+    the fp32 dQ sums' memory."""
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
+    for var in ("MEGATRON_DUALKV_WS_REST_PARTS", "MEGATRON_DUALKV_WS_HEAD_PARTS", "MEGATRON_DUALKV_WS_BALANCE"):
+        monkeypatch.delenv(var, raising=False)
+    seg = make_segments(spread_groups(groups, *shape, spread=0.5 if groups > 1 else 0.0), device="cpu")
+    split = cuda_backend.ws_split(torch.empty(1, hq, 8), torch.empty(1, hkv, 8), per_part=deterministic)
+    work = cuda_backend.Work(seg, cpu, split=split, phase=not deterministic)
+    assert work.ws_rest_parts == parts
+    assert cuda_backend.ws_rest_parts(work, hq // hkv) == parts
+    if parts > 1:  # fast mode: one slot [hkv, 2, 128, D] per item (a key tile of a segment; at most
+        # T / 128 + segments) beside the dQ sums [T, hq, D]: about 2 / group of their size
+        assert len(work.ws_kv) * hkv * 2 * 128 <= 2 / (hq // hkv) * (seg.num_tokens + 128 * len(seg.host_start)) * hq
+
+
+@pytest.mark.parametrize("shape, split", [((28, 4096, 2048), False), ((64, 256, 1024), True)])
+def test_ws_rest_parts(shape, split, monkeypatch):
+    """ws_rest_parts: the second band's head parts, auto's (Work.ws_rest_parts) unless forced, 1
+    on lists split by query rows (their walks are short already); the switch forces 1, 2, 4 or 8
+    where the list allows them and names itself when it does not divide the group or is anything
+    else."""
+    n, p, r = shape
+    seg = make_segments([(p, [r] * n)], device="cpu")
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
+    monkeypatch.delenv("MEGATRON_DUALKV_WS_REST_PARTS", raising=False)
+    work = cuda_backend.Work(seg, cpu, split=cuda_backend.ws_split(torch.empty(1, 32, 8), torch.empty(1, 4, 8)))
+    assert bool(work.ws_slots[0]) == split
+    assert cuda_backend.ws_rest_parts(work, 8) == work.ws_rest_parts == (1 if split else 2)
+    for forced in (1, 2, 4, 8):
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(forced))
+        assert cuda_backend.ws_rest_parts(work, 8) == (1 if split else forced)
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_REST_PARTS=8 does not divide the 4 query heads"):
+        cuda_backend.ws_rest_parts(work, 4)
+    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", "3")
+    with pytest.raises(ValueError, match="MEGATRON_DUALKV_WS_REST_PARTS must be 'auto', '1', '2', '4' or '8'"):
+        cuda_backend.ws_rest_parts(work, 8)
 
 
 @pytest.mark.parametrize("hkv, group, shape, reordered", [
