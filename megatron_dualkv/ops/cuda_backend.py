@@ -928,15 +928,18 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
 # work on 8 groups of (16, 1024, 2048), ncu L2 hit 72 against 79 %; docs/PERF.md, thirty-sixth
 # session §4). Parts of 4 heads each (group 8: 2, group 16: 4; at 32 / 2, 8 groups of
 # (16, 1024, 2048), 4 parts 0.83 and 2 parts 0.90 of one), where (H100, fast mode, bwd, 2 parts / 1,
-# thirty-seventh session): the second band's key tiles walk REST_PARTS_STEPS 64-row steps per head
-# on average (0.935-0.965 at 14-36 on multi-group layouts at 32 / 4 and 16 / 2; 1.063-1.065 at 9.6,
-# where a part's own costs, a K/V load, a prologue and the fp32 slot adds, outweigh it; level at
-# 60 and 1.018 at 129); the band holds REST_PARTS_SHARE of the steps or more (the long
-# single-group shapes, 1-3 %, measured level); and the long band's longest CTA is under
-# REST_PARTS_CRITICAL of an SM's ideal share (at 8 / 1 those CTAs, 0.97 of it, set the makespan:
-# 1.014). Not in deterministic mode (1.053: each part stores its sums and the last adds them) nor
-# on split lists.
-REST_PARTS_STEPS = (12.0, 48.0)
+# thirty-seventh session): the second band's key tiles walk REST_PARTS_MIN_STEPS 64-row steps per
+# head on average or more (0.935-0.965 at 14-36 on multi-group layouts at 32 / 4 and 16 / 2;
+# 1.063-1.065 at 9.6, and 1.035-1.077 at group 16, where a part's own costs, a K/V load, a
+# prologue and the fp32 slot adds, outweigh it), and at most REST_PARTS_MAX_STEPS_PER_HEAD x group
+# (group 8: level at 60 and 1.018 at 129; group 16, whose heads drift twice as far: 0.95 at 60);
+# the band holds REST_PARTS_SHARE of the steps or more (the long single-group shapes, 1-3 %,
+# measured level); and the long band's longest CTA is under REST_PARTS_CRITICAL of an SM's ideal
+# share (at 8 / 1 those CTAs are 0.97 of it: 1.014-1.016 in two runs; that 16 / 1, at 0.98, gains
+# 2-4 % with parts is not explained, so it is left out too). Not in deterministic mode (1.053:
+# each part stores its sums and the last adds them) nor on split lists.
+REST_PARTS_MIN_STEPS = 12.0
+REST_PARTS_MAX_STEPS_PER_HEAD = 6.0
 REST_PARTS_SHARE = 0.15
 REST_PARTS_CRITICAL = 0.9
 
@@ -952,8 +955,7 @@ def auto_rest_parts(items: list, hkv: int, group: int, sms: int, head_parts: int
     rest_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD for it in rest)
     long_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD * head_parts for it in items[:n_long])
     longest = max((it[4] * group / head_parts + WS_CTA_OVERHEAD for it in items[:n_long]), default=0.0)
-    lo, hi = REST_PARTS_STEPS
-    if (not lo <= mean_steps <= hi or rest_steps < REST_PARTS_SHARE * (rest_steps + long_steps)
+    if (not REST_PARTS_MIN_STEPS <= mean_steps <= REST_PARTS_MAX_STEPS_PER_HEAD * group or rest_steps < REST_PARTS_SHARE * (rest_steps + long_steps)
             or longest > REST_PARTS_CRITICAL * (rest_steps + long_steps) / sms):
         return 1
     return group // 4

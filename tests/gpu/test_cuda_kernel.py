@@ -1795,6 +1795,9 @@ def spread_groups(groups, n, p, r, spread=0.5):
     (32, 4, 4, (16, 1024, 1536), False, 2),   # 14 steps
     (32, 4, 8, (16, 512, 1024), False, 1),    # 9.6 steps: the parts' own costs (measured 1.06)
     (32, 4, 4, (8, 2048, 8192), False, 1),    # 60 steps (measured level)
+    (32, 2, 4, (8, 2048, 8192), False, 4),    # 60 steps at group 16 (measured 0.95)
+    (32, 2, 8, (16, 512, 1024), False, 1),    # 9.6 steps at group 16 (measured 1.04-1.08)
+    (16, 1, 8, (16, 1024, 2048), False, 1),   # long-band CTAs at 0.98 of an SM's share: left out (measured 0.96-0.98)
     (8, 1, 8, (16, 1024, 2048), False, 1),    # the long band's CTAs set the makespan (measured 1.014)
     (16, 4, 8, (16, 1024, 2048), False, 1),   # group 4 (measured 1.09)
     (32, 8, 8, (16, 1024, 2048), False, 1),
@@ -1805,9 +1808,9 @@ def spread_groups(groups, n, p, r, spread=0.5):
 ])
 def test_ws_rest_parts_rule(hq, hkv, groups, shape, deterministic, parts, monkeypatch):
     """auto_rest_parts on the lists forward() builds (132 SMs): group / 4 parts at 8 query heads
-    per kv head or more on fast-mode unsplit lists whose second band walks REST_PARTS_STEPS steps
-    per head on average, holds REST_PARTS_SHARE of the steps and does not wait on a long-band CTA
-    near an SM's whole share; ws_rest_parts gives it under auto; the slots take about 2 / group of
+    per kv head or more on fast-mode unsplit lists whose second band walks REST_PARTS_MIN_STEPS to
+    REST_PARTS_MAX_STEPS_PER_HEAD x group steps per head on average, holds REST_PARTS_SHARE of the
+    steps and does not wait on a long-band CTA near an SM's whole share; ws_rest_parts gives it under auto; the slots take about 2 / group of
     the fp32 dQ sums' memory."""
     cpu = torch.device("cpu")
     monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
