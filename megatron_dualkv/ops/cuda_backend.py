@@ -955,18 +955,19 @@ def auto_rest_parts(items: list, hkv: int, group: int, sms: int, head_parts: int
     rest_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD for it in rest)
     long_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD * head_parts for it in items[:n_long])
     longest = max((it[4] * group / head_parts + WS_CTA_OVERHEAD for it in items[:n_long]), default=0.0)
-    if (not REST_PARTS_MIN_STEPS <= mean_steps <= REST_PARTS_MAX_STEPS_PER_HEAD * group or rest_steps < REST_PARTS_SHARE * (rest_steps + long_steps)
-            or longest > REST_PARTS_CRITICAL * (rest_steps + long_steps) / sms):
-        return 1
-    return group // 4
+    total = rest_steps + long_steps
+    walks_fit = REST_PARTS_MIN_STEPS <= mean_steps <= REST_PARTS_MAX_STEPS_PER_HEAD * group
+    band_matters = rest_steps >= REST_PARTS_SHARE * total
+    long_band_not_critical = longest <= REST_PARTS_CRITICAL * total / sms
+    return group // 4 if walks_fit and band_matters and long_band_not_critical else 1
 
 
 def ws_rest_parts(work: "Work", group: int) -> int:
     """Head parts of the ws backward's second band (bwd_ws_sm90's rest_parts): every item after the
     long band as rest_parts CTAs per kv head, each walking group / rest_parts query heads, their
     dK/dV summed in fp32 slots (one per item and kv head, about 2 / group of the fast mode's fp32 dQ
-    sums in size; deterministic: one per part). auto: `auto_rest_parts` (Work.ws_rest_parts), 1 on lists
-    split by query rows and deterministic lists. MEGATRON_DUALKV_WS_REST_PARTS=1, 2, 4 or 8 forces
+    sums in size; deterministic: one per part). auto: `auto_rest_parts` (Work.ws_rest_parts), 1 on
+    lists split by query rows and deterministic lists. MEGATRON_DUALKV_WS_REST_PARTS=1, 2, 4 or 8 forces
     the parts where the list allows them (must divide the group)."""
     forced = _env_choice("MEGATRON_DUALKV_WS_REST_PARTS", ("auto", "1", "2", "4", "8"))
     parts = work.ws_rest_parts if forced == "auto" else int(forced)
