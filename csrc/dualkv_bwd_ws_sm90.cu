@@ -878,7 +878,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // shapes). Deterministic: stored into a slot of its own, and the sum is taken over the parts'
     // slots in part order, so it does not depend on which part finishes when. Either way the part
     // that finishes last (a ticket after __threadfence) converts the sums to T.
-    const int slot = em.head_parts > 1 ? a.head_slot_base + (kDQ ? em.item : em.item * a.det_slot_stride)
+    const int slot = em.head_parts > 1 ? a.head_slot_base + (kDQ ? em.item : em.item * max(a.head_parts, a.rest_parts))
                                        : split_field >> 20;
     const int part = em.head_parts > 1 ? em.head_part : (split_field >> 10) & 1023;
     const int parts = em.head_parts > 1 ? em.head_parts : split_field & 1023;

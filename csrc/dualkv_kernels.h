@@ -90,11 +90,10 @@ struct DkvArgs : BwdInputs {
   // ws backward: the first long_items kv items (the long band, item field 5) run as head_parts CTAs
   // per kv head, the others as rest_parts, each walking group / parts of the group's query heads,
   // their dK/dV summed in split_acc slots from head_slot_base (slot base + item, or base + item *
-  // det_slot_stride + part in deterministic mode, the stride max(head_parts, rest_parts)); 1: one
-  // CTA walks them all. long_items is item field 5 wherever either parts > 1, else 0. Not on lists
+  // max(head_parts, rest_parts) + part in deterministic mode); 1: one CTA walks them all. long_items is item field 5 wherever either parts > 1, else 0. Not on lists
   // with split parts (a prompt tail's part keeps its own slot, walked whole;
   // cuda_backend.ws_head_parts, ws_rest_parts)
-  int head_parts = 1, rest_parts = 1, long_items = 0, head_slot_base = 0, det_slot_stride = 1;
+  int head_parts = 1, rest_parts = 1, long_items = 0, head_slot_base = 0;
   int num_items;
   int T, hq, hkv;
   int Tq;  // rows of q / dout / lse / delta / dq_acc: T, or fewer for local queries (ws only)

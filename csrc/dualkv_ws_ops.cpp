@@ -161,7 +161,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   ka.head_parts = (int)head_parts;
   ka.rest_parts = (int)rest_parts;
   ka.long_items = head_parts > 1 || rest_parts > 1 ? (int)long_items : 0;
-  ka.det_slot_stride = (int)stride;
   ka.head_slot_base = (int)(split_slots + tail_slots);
   // dK/dV of the key tiles split by query rows and of the prompt tails, and their tickets: fast
   // mode, one slot of sums per split tile or tail (zeroed: parts add into it); deterministic, one
