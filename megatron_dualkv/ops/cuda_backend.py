@@ -752,10 +752,13 @@ class Work:
         self.ws_long_own_share = long_band_own_share(ws_items, ws_ranges)
         self.ws_balance_parts = (balance_head_parts(ws_items, *split[:3])
                                  if _balance(split) != "off" and not self.ws_slots[0] else 1)
-        # the second band's head parts under auto (`ws_rest_parts`): fast mode's unsplit lists only
-        self.ws_rest_parts = (auto_rest_parts(ws_items, *split[:3], max(
-            auto_head_parts(split[1], self.ws_long_own_share), self.ws_balance_parts))
-            if split is not None and not per_part and not self.ws_slots[0] else 1)
+        # head parts under auto (`ws_head_parts`, `ws_rest_parts`) for the split argument's group:
+        # the long band's, the more of the L2 rule's and balance's; the second band's, fast mode's
+        # unsplit lists only
+        self.ws_auto_head_parts = (max(auto_head_parts(split[1], self.ws_long_own_share), self.ws_balance_parts)
+                                   if split is not None else 1)
+        self.ws_rest_parts = (auto_rest_parts(ws_items, *split[:3], self.ws_auto_head_parts)
+                              if split is not None and not per_part and not self.ws_slots[0] else 1)
         if not self.local:
             kw, kr = kv_items(segments)
             self.rows64, self.kv64, self.ranges = mk(row_items(segments)), mk(kw), mk(kr)
@@ -905,14 +908,14 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
     summed in fp32 slots (deterministic mode: one slot per part); (1, 0): one CTA per key tile and
     kv head walks the whole group. Not on lists split by query rows (short walks already); a
     prompt tail's part is walked whole.
-    auto: the more of `auto_head_parts` (from the CTA's own causal walks, group x the long band's
-    own share of steps) and the list's parts for balance (`balance_head_parts`, Work.ws_balance_parts);
-    1 also with split_on=False (MEGATRON_DUALKV_WS_SPLIT=0: every key tile one CTA, for A/B
+    auto: Work.ws_auto_head_parts, the more of `auto_head_parts` (from the CTA's own causal walks,
+    group x the long band's own share of steps) and the list's parts for balance
+    (`balance_head_parts`, Work.ws_balance_parts); 1 also with split_on=False (MEGATRON_DUALKV_WS_SPLIT=0: every key tile one CTA, for A/B
     timings and bitwise checks). MEGATRON_DUALKV_WS_HEAD_PARTS=1, 2, 4 or 8 forces the parts where
     the list allows them (an A/B switch; it must divide the group)."""
     forced = _env_choice("MEGATRON_DUALKV_WS_HEAD_PARTS", ("auto", "1", "2", "4", "8"))
     if forced == "auto":
-        parts = max(auto_head_parts(group, work.ws_long_own_share), work.ws_balance_parts) if split_on else 1
+        parts = work.ws_auto_head_parts if split_on else 1
     else:
         parts = int(forced)
     if group % parts:

@@ -12,10 +12,14 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 
 import pytest
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench_kernel  # noqa: E402  (tools/: the benchmark's layouts, which the rules were measured on)
 from local_query_rows import cp_like_rows  # tests/ (the root conftest's directory) is on sys.path
 from megatron_dualkv.layout import SegmentTable
 
@@ -677,14 +681,19 @@ def held_rows_only(dout, rows):
     return dout * held
 
 
-def assert_head_parts_match_one_cta(parts, ex, deterministic, monkeypatch, *args, **run_kw):
-    """run_kernel(*args, **run_kw) with the long band in `parts` head parts against one CTA per kv
-    head (MEGATRON_DUALKV_WS_HEAD_PARTS=1): dq, dk, dv within bf16 rounding and no worse against
-    the float64 `ex`, every element written; deterministic: the parts' run bitwise reproducible
-    and its dq (the dQ kernel's) bitwise the one-CTA run's."""
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
+def assert_head_parts_match_one_cta(parts, ex, deterministic, monkeypatch, *args, rest_parts=None, **run_kw):
+    """run_kernel(*args, **run_kw) with the long band in `parts` head parts (and, given rest_parts,
+    the second band in that many) against one CTA per kv head (MEGATRON_DUALKV_WS_HEAD_PARTS=1,
+    and MEGATRON_DUALKV_WS_REST_PARTS=1 given rest_parts): dq, dk, dv within bf16 rounding and no
+    worse against the float64 `ex`, every element written; deterministic: the parts' run bitwise
+    reproducible and its dq (the dQ kernel's) bitwise the one-CTA run's."""
+    def set_parts(head, rest):
+        monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(head))
+        if rest_parts is not None:
+            monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(rest))
+    set_parts(1, 1)
     whole = run_kernel(*args, deterministic=deterministic, **run_kw)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(parts))
+    set_parts(parts, rest_parts)
     split = run_kernel(*args, deterministic=deterministic, **run_kw)
     against = "vs one CTA per kv head" + (" (local queries)" if run_kw.get("rows") is not None else "")
     assert_close_no_worse(split, whole, ex, ["dq", "dk", "dv"], against, finite=True)
@@ -813,24 +822,13 @@ def test_wsbwd_rest_parts(hq, hkv, head, rest, d, tails, deterministic, monkeypa
     split = cuda_backend.ws_split(q, k, per_part=deterministic)
     work = cuda_backend.work_tensors(seg, q.device, None, split, not deterministic, merge_tails=tails)
     items = work.ws_kv.tolist()
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(head))
     monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(rest))
     assert cuda_backend.ws_rest_parts(work, hq // hkv) == rest and 0 < work.ws_long_items < len(items)
     assert work.ws_slots[0] == 0 and (work.ws_slots[1] > 0) == tails, work.ws_slots
     if tails:
         assert any(it[7] > 0 for it in items[work.ws_long_items:]), "no tail part in the second band"
-    ex = exact(q, k, v, dout, seg, 0.1)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", "1")
-    whole = run_kernel(q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws", deterministic=deterministic)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(head))
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(rest))
-    parts = run_kernel(q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws", deterministic=deterministic)
-    assert_close_no_worse(parts, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head", finite=True)
-    if deterministic:
-        again = run_kernel(q, k, v, dout, seg, 0.1, impl="ws", bwd_impl="ws", deterministic=True)
-        assert_same_bits([parts, again], ["dq", "dk", "dv"], "between two deterministic runs with rest parts")
-        assert torch.equal(parts[2], whole[2]), "dq (the dQ kernel's) changed with rest parts"
+    assert_head_parts_match_one_cta(head, exact(q, k, v, dout, seg, 0.1), deterministic, monkeypatch,
+                                    q, k, v, dout, seg, 0.1, rest_parts=rest, impl="ws", bwd_impl="ws")
 
 
 @gpu
@@ -852,18 +850,10 @@ def test_wsbwd_rest_parts_local_queries(hq, hkv, head, rest, d, deterministic, m
     assert 0 < work.ws_long_items < len(work.ws_kv.tolist())
     ex_out, ex_lse, ex_dq, ex_dk, ex_dv = exact(q, k, v, held_rows_only(dout, rows), seg, 0.1)
     ex = (ex_out, ex_lse, ex_dq[rows], ex_dk, ex_dv)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", "1")
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", "1")
-    whole = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
-    monkeypatch.setenv("MEGATRON_DUALKV_WS_HEAD_PARTS", str(head))
     monkeypatch.setenv("MEGATRON_DUALKV_WS_REST_PARTS", str(rest))
     assert cuda_backend.ws_rest_parts(work, hq // hkv) == rest
-    parts = run_kernel(q, k, v, dout, seg, 0.1, deterministic=deterministic, rows=rows)
-    assert_close_no_worse(parts, whole, ex, ["dq", "dk", "dv"], "vs one CTA per kv head (local queries)", finite=True)
-    if deterministic:
-        again = run_kernel(q, k, v, dout, seg, 0.1, deterministic=True, rows=rows)
-        assert_same_bits([parts, again], ["dq", "dk", "dv"], "between two deterministic runs with rest parts")
-        assert torch.equal(parts[2], whole[2]), "dq (the dQ kernel's) changed with rest parts"
+    assert_head_parts_match_one_cta(head, ex, deterministic, monkeypatch, q, k, v, dout, seg, 0.1, rest_parts=rest,
+                                    rows=rows)
 
 
 @gpu
@@ -1775,19 +1765,6 @@ def test_ws_dq_beside(hkv, group, shape, parts, split, beside, monkeypatch):
     assert cuda_backend.ws_dq_beside(work, parts) == beside
 
 
-def spread_groups(groups, n, p, r, spread=0.5):
-    """`groups` groups of a prompt of p tokens and n responses evenly spaced from r (1 - spread) to
-    r (1 + spread) (mean r), each group in its own fixed shuffled order (tools/bench_kernel.py's
-    --groups --spread layouts)."""
-    lengths = [round(r * (1 - spread + 2 * spread * i / (n - 1))) for i in range(n)] if n > 1 else [r]
-    out = []
-    for g in range(groups):
-        order = lengths[:]
-        random.Random(g).shuffle(order)
-        out.append((p, order))
-    return out
-
-
 @pytest.mark.parametrize("hq, hkv, groups, shape, deterministic, parts", [
     (32, 4, 8, (16, 1024, 2048), False, 2),   # 18 steps a head: measured bwd 0.94-0.97
     (16, 2, 8, (16, 1024, 2048), False, 2),
@@ -1816,7 +1793,9 @@ def test_ws_rest_parts_rule(hq, hkv, groups, shape, deterministic, parts, monkey
     monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
     for var in ("MEGATRON_DUALKV_WS_REST_PARTS", "MEGATRON_DUALKV_WS_HEAD_PARTS", "MEGATRON_DUALKV_WS_BALANCE"):
         monkeypatch.delenv(var, raising=False)
-    seg = make_segments(spread_groups(groups, *shape, spread=0.5 if groups > 1 else 0.0), device="cpu")
+    n, p, r = shape  # the layouts timed: bench_kernel.py --groups G --spread 0.5 (one group: no spread)
+    spread = 0.5 if groups > 1 else 0.0
+    seg = make_segments([(p, bench_kernel.response_lengths(n, r, spread, g)) for g in range(groups)], device="cpu")
     split = cuda_backend.ws_split(torch.empty(1, hq, 8), torch.empty(1, hkv, 8), per_part=deterministic)
     work = cuda_backend.Work(seg, cpu, split=split, phase=not deterministic)
     assert work.ws_rest_parts == parts
