@@ -190,7 +190,8 @@ __device__ __forceinline__ void store_ds_qk(T* panel, int row0, int lane, const 
 // same query heads: walks of 8 heads (Hq / Hkv = 32 / 4) drift apart by one causal walk per head,
 // and the resident CTAs' rows no longer fit in L2 (docs/PERF.md, thirty-third session; the
 // responses' own walks on multi-group GRPO layouts, thirty-sixth session §4-§5). The parts' dK/dV
-// are summed like a split key tile's, in slots from a.head_slot_base. An item that is a prompt
+// meet in fp32 slots from a.head_slot_base (fast mode: every part but the last stores its own, the
+// last adds them; deterministic: as a split key tile's, see the epilogue). An item that is a prompt
 // tail's part (field 7 > 0) keeps its own slot and is walked whole by part 0; its other parts'
 // CTAs exit at once (head_part >= head_parts).
 struct BlockMap {
@@ -868,20 +869,73 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // then in a slot of its own)
   const BlockMap em = map_block(a, ctaid_x());
   const int split_field = w[7] > 0 ? w[7] : 0;
-  const bool split = em.head_parts > 1 || split_field > 0;
+  // Fast mode, head parts: the parts' sums meet without atomics. Each part takes a ticket (the
+  // order they finish in); all but the last store their raw dK, dV fragments into a slot of their
+  // own, thread-major (the last part's thread holds the same fragment positions: 16-byte stores
+  // and loads, whole lines, no zero fill), and mark it ready; the last waits until every other
+  // part is ready, adds their slots to its registers and stores dK/dV like an unsplit tile. The
+  // adds into one zeroed slot (float4 atomics) took ~30k cycles a CTA on 8 groups of
+  // (16, 1024, 2048) at 32 / 4, 6 % of the kernel's SM time (docs/PERF.md, thirty-eighth session).
+  // pslots = max(head_parts, rest_parts) - 1 slots per item from head_slot_base; the item's
+  // counter (split_count at its first slot) counts tickets in bits 0-15, ready parts from bit 16.
+  if (kDQ && em.head_parts > 1) {
+    const int pslots = max(a.head_parts, a.rest_parts) - 1;
+    const int base = a.head_slot_base + em.item * pslots;
+    int* const cnt = a.split_count + (long)base * a.hkv + hk;
+    const int tid = threadIdx.x - 128;
+    auto slot4 = [&](int s) { return reinterpret_cast<float4*>(a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D); };
+    int* ticket = reinterpret_cast<int*>(sTd);
+    named_sync(10, 256);  // both consumers' steps are done: sTd is free
+    if (threadIdx.x == 128) *ticket = atomicAdd(cnt, 1) & 0xffff;
+    named_sync(10, 256);
+    const int t = *ticket;
+    const bool last_part = t == em.head_parts - 1;
+    if (!last_part) {
+      float4* sl = slot4(base + t);
+#pragma unroll
+      for (int v = 0; v < D / 8; ++v) {
+        __stcg(sl + v * 256 + tid, make_float4(dk[4 * v], dk[4 * v + 1], dk[4 * v + 2], dk[4 * v + 3]));
+        __stcg(sl + (D / 8 + v) * 256 + tid, make_float4(dv[4 * v], dv[4 * v + 1], dv[4 * v + 2], dv[4 * v + 3]));
+      }
+      __threadfence();
+      named_sync(10, 256);  // every thread's stores are fenced before the part is marked ready
+      if (threadIdx.x == 128) atomicAdd(cnt, 1 << 16);
+      return;
+    }
+    if (threadIdx.x == 128) {
+      int ready;
+      do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(ready) : "l"(cnt) : "memory");
+        if ((ready >> 16) < t) __nanosleep(64);
+      } while ((ready >> 16) < t);
+    }
+    named_sync(10, 256);
+    __threadfence();
+    for (int s = 0; s < t; ++s) {
+      const float4* sl = slot4(base + s);
+#pragma unroll
+      for (int v = 0; v < D / 8; ++v) {
+        const float4 x = __ldcg(sl + v * 256 + tid), y = __ldcg(sl + (D / 8 + v) * 256 + tid);
+        dk[4 * v] += x.x, dk[4 * v + 1] += x.y, dk[4 * v + 2] += x.z, dk[4 * v + 3] += x.w;
+        dv[4 * v] += y.x, dv[4 * v + 1] += y.y, dv[4 * v + 2] += y.z, dv[4 * v + 3] += y.w;
+      }
+    }
+  }
+  const bool split = (!kDQ && em.head_parts > 1) || split_field > 0;
   // rows k0..slot_end - 1 are the slot's (a split part: all; a prompt tail's response tile: the tail keys)
   const int slot_end = split ? (tail ? k0 + tail : k1) : k0;
   bool last = false;
   if (split) {
+    // A key tile split by query rows or a prompt tail's part (and, deterministic, a head part).
     // Fast mode: this part's dK (scaled) and dV added into the slot's fp32 sums [2][kKVB][D] of kv
     // head hk (16-byte atomics: half the requests of float2 adds, 3-4 % faster backward on GRPO
     // shapes). Deterministic: stored into a slot of its own, and the sum is taken over the parts'
     // slots in part order, so it does not depend on which part finishes when. Either way the part
     // that finishes last (a ticket after __threadfence) converts the sums to T.
-    const int slot = em.head_parts > 1 ? a.head_slot_base + (kDQ ? em.item : em.item * max(a.head_parts, a.rest_parts))
-                                       : split_field >> 20;
-    const int part = em.head_parts > 1 ? em.head_part : (split_field >> 10) & 1023;
-    const int parts = em.head_parts > 1 ? em.head_parts : split_field & 1023;
+    const bool head_part = !kDQ && em.head_parts > 1;  // fast mode's head parts met above
+    const int slot = head_part ? a.head_slot_base + em.item * max(a.head_parts, a.rest_parts) : split_field >> 20;
+    const int part = head_part ? em.head_part : (split_field >> 10) & 1023;
+    const int parts = head_part ? em.head_parts : split_field & 1023;
     auto slot_acc = [&](int s) { return a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D; };
     // deterministic: part p's own sums; a prompt tail's parts (t rows each) packed kKVB / t to a slot
     const int tail_rows = w[8] < 0 ? -w[8] : w[8];

@@ -89,8 +89,10 @@ struct DkvArgs : BwdInputs {
   int skip_masked_steps = 1;
   // ws backward: the first long_items kv items (the long band, item field 5) run as head_parts CTAs
   // per kv head, the others as rest_parts, each walking group / parts of the group's query heads,
-  // their dK/dV summed in split_acc slots from head_slot_base (slot base + item, or base + item *
-  // max(head_parts, rest_parts) + part in deterministic mode); 1: one CTA walks them all. long_items is item field 5 wherever either parts > 1, else 0. Not on lists
+  // their dK/dV summed in split_acc slots from head_slot_base (fast mode: base + item * (m - 1) +
+  // ticket, m = max(head_parts, rest_parts), stored by every part but the last to finish and not
+  // zeroed, the item's split_count counting tickets and ready parts; deterministic: base + item * m
+  // + part); 1: one CTA walks them all. long_items is item field 5 wherever either parts > 1, else 0. Not on lists
   // with split parts (a prompt tail's part keeps its own slot, walked whole;
   // cuda_backend.ws_head_parts, ws_rest_parts)
   int head_parts = 1, rest_parts = 1, long_items = 0, head_slot_base = 0;

@@ -29,10 +29,11 @@
 // the workspace by the parts' field 7 without a bound check. head_parts > 1 (a list with no split
 // part, cuda_backend.ws_head_parts): the first long_items kv items (item field 5, the long band)
 // run as head_parts CTAs per kv head, each walking Hq / Hkv / head_parts query heads, their dK/dV
-// summed in a workspace slot per item (deterministic: per item and part) after the tails' slots.
-// rest_parts > 1 (cuda_backend.ws_rest_parts): the other items likewise, in rest_parts CTAs per kv
-// head; then long_items must be item field 5 even where head_parts = 1, and every item has a slot
-// (deterministic: max(head_parts, rest_parts) per item).
+// summed in workspace slots after the tails' (fast mode: max(head_parts, rest_parts) - 1 per item,
+// every part but the last to finish storing its own; deterministic: max(head_parts, rest_parts),
+// one per part). rest_parts > 1 (cuda_backend.ws_rest_parts): the other items likewise, in
+// rest_parts CTAs per kv head; then long_items must be item field 5 even where head_parts = 1, and
+// every item has slots.
 // The work lists come from megatron_dualkv/ops/cuda_backend.py, which also registers the fake
 // implementations.
 
@@ -117,11 +118,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
               "); head parts take unsplit lists only");
   TORCH_CHECK(long_items >= 0 && long_items <= kv_work.size(0), "megatron_dualkv: long_items = ", long_items,
               " is not between 0 and the ", kv_work.size(0), " kv items");
-  // head parts: a slot per item in parts (the long band's, and with rest_parts > 1 every item;
-  // deterministic: per item and part, max(head_parts, rest_parts) slots an item) after the tails'
+  // head parts: slots for the items in parts (the long band's, and with rest_parts > 1 every item)
+  // after the tails': m = max(head_parts, rest_parts) an item in deterministic mode (one per part),
+  // m - 1 in fast mode (every part but the last to finish stores its sums; the last adds them)
   const int64_t stride = std::max(head_parts, rest_parts);
   const int64_t part_items = rest_parts > 1 ? kv_work.size(0) : (head_parts > 1 ? long_items : 0);
-  const int64_t slots = split_slots + tail_slots + part_items * (deterministic ? stride : 1);
+  const int64_t slots = split_slots + tail_slots + part_items * (deterministic ? stride : stride - 1);
   const BwdInputs in = check_bwd_inputs(dout, q, out, lse, dlse, "Tq");
   if (deterministic) {
     check_work(row_work, q, "row_work", 8);  // the dq kernel's 128-row query tiles
@@ -165,12 +167,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
   // dK/dV of the key tiles split by query rows and of the prompt tails, and their tickets: fast
   // mode, one slot of sums per split tile or tail (zeroed: parts add into it); deterministic, one
   // slot per part, a prompt tail's t-row parts packed 128 // t to a slot (each part stores its rows
-  // before the last part reads them)
+  // before the last part reads them). Head parts' slots are stored before they are read (never
+  // zeroed).
   at::Tensor split_acc, split_count;
   if (slots > 0) {
     const std::vector<int64_t> shape{slots, k.size(1), 2, 128, q.size(2)};
     const auto f32 = q.options().dtype(at::kFloat);
-    split_acc = deterministic ? at::empty(shape, f32) : at::zeros(shape, f32);
+    split_acc = at::empty(shape, f32);
+    if (!deterministic && split_slots + tail_slots > 0) split_acc.narrow(0, 0, split_slots + tail_slots).zero_();
     split_count = at::zeros({slots, k.size(1)}, q.options().dtype(at::kInt));
     ka.split_acc = split_acc.data_ptr<float>();
     ka.split_count = split_count.data_ptr<int>();
