@@ -757,7 +757,7 @@ class Work:
         # unsplit lists only
         self.ws_auto_head_parts = (max(auto_head_parts(split[1], self.ws_long_own_share), self.ws_balance_parts)
                                    if split is not None else 1)
-        self.ws_rest_parts = (auto_rest_parts(ws_items, *split[:3], self.ws_auto_head_parts)
+        self.ws_rest_parts = (auto_rest_parts(ws_items, *split[:2], self.ws_auto_head_parts)
                               if split is not None and not per_part and not self.ws_slots[0] else 1)
         if not self.local:
             kw, kr = kv_items(segments)
@@ -905,7 +905,8 @@ OWN_WALKS_PER_PART = 2.5  # 2 with room: P = 2 N R gives 4.004 walks at group 8
 def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int, int]:
     """(head_parts, long_items) of the ws backward on this list (bwd_ws_sm90): the long band's
     items as head_parts CTAs per kv head, each walking group / head_parts query heads, their dK/dV
-    summed in fp32 slots (deterministic mode: one slot per part); (1, 0): one CTA per key tile and
+    summed in fp32 slots (fast mode: every part but the last to finish stores its own, the last
+    adds them; deterministic mode: one slot per part, summed in part order); (1, 0): one CTA per key tile and
     kv head walks the whole group. Not on lists split by query rows (short walks already); a
     prompt tail's part is walked whole.
     auto: Work.ws_auto_head_parts, the more of `auto_head_parts` (from the CTA's own causal walks,
@@ -934,22 +935,22 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
 # thirty-seventh session): the second band's key tiles walk REST_PARTS_MIN_STEPS 64-row steps per
 # head on average or more (0.935-0.965 at 14-36 on multi-group layouts at 32 / 4 and 16 / 2;
 # 1.063-1.065 at 9.6, and 1.035-1.077 at group 16, where a part's own costs, a K/V load, a
-# prologue and the fp32 slot adds, outweigh it), and at most REST_PARTS_MAX_STEPS_PER_HEAD x group
+# prologue and the fp32 slot sums, outweigh it), and at most REST_PARTS_MAX_STEPS_PER_HEAD x group
 # (group 8: level at 60 and 1.018 at 129; group 16, whose heads drift twice as far: 0.95 at 60);
-# the band holds REST_PARTS_SHARE of the steps or more (the long single-group shapes, 1-3 %,
-# measured level); and the long band's longest CTA is under REST_PARTS_CRITICAL of an SM's ideal
-# share (at 8 / 1 those CTAs are 0.97 of it: 1.014-1.016 in two runs; that 16 / 1, at 0.98, gains
-# 2-4 % with parts is not explained, so it is left out too). Not in deterministic mode (1.053:
-# each part stores its sums and the last adds them) nor on split lists.
+# and the band holds REST_PARTS_SHARE of the steps or more (the long single-group shapes, 1-3 %,
+# measured level). One kv head is in: since fast mode's parts meet by store and ticket instead of
+# atomics (thirty-eighth session), 8 / 1 measured 0.989-1.001 with 2 parts and 16 / 1 0.936-0.991
+# with 4 on three layouts (with atomics 8 / 1 had lost 1.4-1.6 %, and a bound on the long band's
+# longest CTA, 0.9 of an SM's share, left both out). Not in deterministic mode (1.053: each part
+# stores its sums and the last adds them in part order) nor on split lists.
 REST_PARTS_MIN_STEPS = 12.0
 REST_PARTS_MAX_STEPS_PER_HEAD = 6.0
 REST_PARTS_SHARE = 0.15
-REST_PARTS_CRITICAL = 0.9
 
 
-def auto_rest_parts(items: list, hkv: int, group: int, sms: int, head_parts: int = 1) -> int:
+def auto_rest_parts(items: list, hkv: int, group: int, head_parts: int = 1) -> int:
     """group / 4 or 1: the second band's head parts on a fast-mode list by the rule above
-    (`head_parts`: the long band's, which shorten its longest CTA)."""
+    (`head_parts`: the long band's, whose CTAs count in the steps the band's share is of)."""
     n_long = items[0][5] if items else 0
     rest = items[n_long:]
     if group < HEAD_PARTS_GROUP or not rest or group % 4:
@@ -957,19 +958,17 @@ def auto_rest_parts(items: list, hkv: int, group: int, sms: int, head_parts: int
     mean_steps = sum(it[4] for it in rest) / len(rest)
     rest_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD for it in rest)
     long_steps = hkv * sum(it[4] * group + WS_CTA_OVERHEAD * head_parts for it in items[:n_long])
-    longest = max((it[4] * group / head_parts + WS_CTA_OVERHEAD for it in items[:n_long]), default=0.0)
-    total = rest_steps + long_steps
     walks_fit = REST_PARTS_MIN_STEPS <= mean_steps <= REST_PARTS_MAX_STEPS_PER_HEAD * group
-    band_matters = rest_steps >= REST_PARTS_SHARE * total
-    long_band_not_critical = longest <= REST_PARTS_CRITICAL * total / sms
-    return group // 4 if walks_fit and band_matters and long_band_not_critical else 1
+    band_matters = rest_steps >= REST_PARTS_SHARE * (rest_steps + long_steps)
+    return group // 4 if walks_fit and band_matters else 1
 
 
 def ws_rest_parts(work: "Work", group: int) -> int:
     """Head parts of the ws backward's second band (bwd_ws_sm90's rest_parts): every item after the
     long band as rest_parts CTAs per kv head, each walking group / rest_parts query heads, their
-    dK/dV summed in fp32 slots (one per item and kv head, about 2 / group of the fast mode's fp32 dQ
-    sums in size; deterministic: one per part). auto: `auto_rest_parts` (Work.ws_rest_parts), 1 on
+    dK/dV summed in fp32 slots (fast mode: rest_parts - 1 per item and kv head, where every part
+    but the last to finish stores its sums, about 2 (rest_parts - 1) / group of the fp32 dQ sums in
+    size; deterministic: one per part). auto: `auto_rest_parts` (Work.ws_rest_parts), 1 on
     lists split by query rows and deterministic lists. MEGATRON_DUALKV_WS_REST_PARTS=1, 2, 4 or 8 forces
     the parts where the list allows them (must divide the group)."""
     forced = _env_choice("MEGATRON_DUALKV_WS_REST_PARTS", ("auto", "1", "2", "4", "8"))
