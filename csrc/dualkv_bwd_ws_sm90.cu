@@ -864,9 +864,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const long ks = (long)a.hkv * D;
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
   T* dvg = reinterpret_cast<T*>(a.dv) + hk * D;
-  // a split part (field 7 > 0) or a head part: part `part` of `parts` summed in slot `slot` (head
-  // parts: slot base + item, deterministic base + item * max(head_parts, rest_parts), each part
-  // then in a slot of its own)
+  // a split part (field 7 > 0) or a head part: its dK/dV meet the other parts' in fp32 slots
+  // (fast-mode head parts just below; split parts and deterministic head parts in `split`)
   const BlockMap em = map_block(a, ctaid_x());
   const int split_field = w[7] > 0 ? w[7] : 0;
   // Fast mode, head parts: the parts' sums meet without atomics. Each part takes a ticket (the
