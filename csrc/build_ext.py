@@ -1,6 +1,6 @@
 """Build the DualKV CUDA extension without setup.py (JIT, ninja) into a folder.
 
-    python csrc/build_ext.py [OUT_DIR] [--python-include DIR]
+    python csrc/build_ext.py [OUT_DIR] [--python-include DIR] [--cta-trace]
         (OUT_DIR default: .gpu/build; MAX_JOBS=1 is honoured)
 
 The result, OUT_DIR/_C.so, is found by megatron_dualkv/ops/cuda_backend.py through the
@@ -13,6 +13,8 @@ that machine's Python version: --python-include DIR (e.g. ~/.pyenv/versions/3.12
 for the lent GPU machine's Python 3.12) puts DIR's Python.h ahead of the running interpreter's.
 A build made with 3.13's headers fails to load under 3.12 with "undefined symbol:
 PyDict_GetItemStringRef". The torch build must match too (same version and CUDA).
+--cta-trace compiles in the ws kernels' per-CTA clock stamps (csrc/cta_trace.h, read by
+tools/cta_trace.py): a build for that tool, not for use (a default build has none of it).
 Where nvcc is reached through /usr/local/bin, set CUDA_HOME=/usr/local/cuda: torch would take
 /usr/local and miss crt/host_defines.h.
 """
@@ -32,6 +34,8 @@ def main():
     ap = argparse.ArgumentParser(description="Build the DualKV CUDA extension into a folder (JIT, ninja).")
     ap.add_argument("out", nargs="?", default=os.path.join(HERE, "..", ".gpu", "build"))
     ap.add_argument("--python-include", help="Python.h folder of the interpreter that will load the library")
+    ap.add_argument("--cta-trace", action="store_true",
+                    help="compile in the per-CTA clock stamps that tools/cta_trace.py reads (-DMDKV_CTA_TRACE)")
     args = ap.parse_args()
     out = os.path.abspath(args.out)
     includes = []
@@ -52,7 +56,8 @@ def main():
         pass
     lib = os.path.join(out, "_C.so")
     try:
-        load(name="_C", sources=SOURCES, extra_cflags=CXX_FLAGS, extra_cuda_cflags=NVCC_FLAGS,
+        load(name="_C", sources=SOURCES, extra_cflags=CXX_FLAGS,
+             extra_cuda_cflags=NVCC_FLAGS + (["-DMDKV_CTA_TRACE"] if args.cta_trace else []),
              extra_include_paths=includes, build_directory=out, verbose=True, is_python_module=False)
     except OSError:
         # load() ends by loading the library here, which a build for another Python cannot do

@@ -83,6 +83,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "cta_trace.h"
 #include "dualkv_kernels.h"
 #include "dualkv_fwd_ws.h"
 #include "env_choice.h"
@@ -329,6 +330,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     return make_int4(0, 0, 0, 0);
   };
 
+  // stamps (csrc/cta_trace.h, -DMDKV_CTA_TRACE builds only): 2 K/V in, 3 step 0 done, 4 the last
+  // step done, 5 the last dQ reduces written, 6 the end of the epilogue; the count: steps
+  MDKV_TRACE_ENTRY(n_iter);
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   // deterministic mode: the dQ kernel, a programmatic dependent launch behind this one, may start
@@ -849,17 +853,23 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   };
 
   mbar_wait(kv_full, 0);
+  MDKV_TRACE_STAMP(2);
   if (n_iter > 0) {
     if constexpr (kOverlap) {
-      overlapped_walk();
+      overlapped_walk();  // (stamps 3 and 4 after the whole walk)
+      MDKV_TRACE_STAMP(3);
+      MDKV_TRACE_STAMP(4);
     } else {
       if (kTurns && cw == 1) named_arrive(8, 256);  // consumer 0 takes the first turn
       step(std::false_type{}, 0);
+      MDKV_TRACE_STAMP(3);
       for (int it = 1; it < n_iter; ++it) step(std::true_type{}, it);
+      MDKV_TRACE_STAMP(4);
       if constexpr (kDQ) last_dq(n_iter - 1);
     }
   }
   if (dq_issuer) bulk_wait0();  // the last reduces have read the staging tile and written dq_acc
+  MDKV_TRACE_STAMP(5);
 
   const long ks = (long)a.hkv * D;
   T* dkg = reinterpret_cast<T*>(a.dk) + hk * D;
@@ -899,6 +909,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       __threadfence();
       named_sync(10, 256);  // every thread's stores are fenced before the part is marked ready
       if (threadIdx.x == 128) atomicAdd(cnt, 1 << 16);
+      MDKV_TRACE_END();
       return;
     }
     if (threadIdx.x == 128) {
@@ -1001,6 +1012,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     store_frag_row_x4<T, D>(dkg, ks, dest, lane, dk, r, dk_scale, store);
     store_frag_row_x4<T, D>(dvg, ks, dest, lane, dv, r, 1.f, store);
   }
+  MDKV_TRACE_END();
 }
 
 // dq_acc fp32 [Tq, hq, D] as (D, hq, Tq); box = 32 columns (128 B, the swizzle span) x 1 head x qt rows
@@ -1054,6 +1066,7 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
       (kTmaDQ && with_dq && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq, QT)))
     return cudaErrorInvalidResourceHandle;
   // (head parts: the long items' CTAs head_parts times, the others' rest_parts times)
+  MDKV_TRACE_SET_BUFFER("MDKV_CTA_TRACE_BWD", stream);
   const long blocks = ((long)ka.long_items * ka.head_parts + (long)(ka.num_items - ka.long_items) * ka.rest_parts) * ka.hkv;
   k<<<(unsigned)blocks, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
   return cudaGetLastError();

@@ -55,6 +55,7 @@
 #include <type_traits>
 #include <math.h>
 
+#include "cta_trace.h"
 #include "dualkv_kernels.h"
 #include "dualkv_fwd_ws.h"
 #include "env_choice.h"
@@ -220,6 +221,10 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
   // warp-uniform role (the shuffle tells the compiler so: no divergent branch around wgmma)
   const int role = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
 
+  // stamps (csrc/cta_trace.h, -DMDKV_CTA_TRACE builds only; one tile per CTA): 2 Q in, 3 tile 0 (S
+  // and its softmax) done, 4 the loop done, 5 the last P V products and narrowed tiles done, 6 the
+  // end of the O / lse stores; the count: key tiles
+  if constexpr (!kPersistent) MDKV_TRACE_ENTRY(first.n_total);
   if (threadIdx.x == 0) {
     if constexpr (kPersistent) mbar_init(q_empty, 8);
     ring.init();
@@ -349,6 +354,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     reg_fence(s);
     if (lane == 0) mbar_arrive(ring.k_empty(stage(0)));
     softmax_step<kBK>(s, m, l, alpha, ft.kv_start(0), n_pfull > 0, par1, row_a, row_w0, lane, sl2);
+    if constexpr (!kPersistent) MDKV_TRACE_STAMP(3);
 
     // Steady state: S_t and O += P_{t-1} V_{t-1} in flight together; the softmax of S_t runs under
     // the P V MMA. The wait for that MMA sits at the top of the next iteration, not after the
@@ -392,6 +398,7 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
       pass_turn();
     }
 
+    if constexpr (!kPersistent) MDKV_TRACE_STAMP(4);
     // the last two P V products
     {
       wg_wait<0>();
@@ -459,13 +466,16 @@ __global__ void __launch_bounds__(kThreadsWS, 1)
     // 16-byte stores: 1.5 % faster forward on (28, 4096, R), whose short CTAs wait on the epilogue's
     // 4-byte stores (lg throttle, drain at exit); 0.1-0.7 % on the long shapes (docs/PERF.md,
     // twenty-first session)
+    if constexpr (!kPersistent) MDKV_TRACE_STAMP(5);
     store_out_lse<T, D, true>(reinterpret_cast<T*>(a.out) + ft.h * D + shift * qs, qs,
                               a.lse + (long)ft.h * a.Tq + shift, row_a, ft.q1, lane, o, m, l);
+    if constexpr (!kPersistent) MDKV_TRACE_END();
   };
 
   if constexpr (!kPersistent) {
     start_tile();
     mbar_wait(ring.q_full(), 0);
+    MDKV_TRACE_STAMP(2);
     if (kPingPong && cw == 1) named_arrive(other_bar, 256);  // consumer 0 takes the first turn
     run_tile(first, 0);
   } else {
@@ -521,6 +531,7 @@ static cudaError_t fwd_ws_t(const FwdArgs& a, CUtensorMapDataType dt, bool narro
   if (narrowest < 0) return cudaErrorInvalidValue;  // the op names the variable first
   const int diag64 = ws_fwd_diag_from_env(), idle = ws_fwd_idle_from_env();
   if (diag64 < 0 || idle < 0) return cudaErrorInvalidValue;
+  MDKV_TRACE_SET_BUFFER("MDKV_CTA_TRACE_FWD", stream);
   k<<<(unsigned)grid, kThreadsWS, L::kBytes, stream>>>(mq, mk, mv, a, narrow_tail ? narrowest : 0, diag64, idle);
   return cudaGetLastError();
 }
