@@ -932,10 +932,12 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
 # work on 8 groups of (16, 1024, 2048), ncu L2 hit 72 against 79 %; docs/PERF.md, thirty-sixth
 # session §4). Parts of 4 heads each (group 8: 2, group 16: 4; at 32 / 2, 8 groups of
 # (16, 1024, 2048), 4 parts 0.83 and 2 parts 0.90 of one), where (H100, fast mode, bwd, 2 parts / 1,
-# thirty-seventh session): the second band's key tiles walk REST_PARTS_MIN_STEPS 64-row steps per
-# head on average or more (0.935-0.965 at 14-36 on multi-group layouts at 32 / 4 and 16 / 2;
-# 1.063-1.065 at 9.6, and 1.035-1.077 at group 16, where a part's own costs, a K/V load, a
-# prologue and the fp32 slot sums, outweigh it), and at most REST_PARTS_MAX_STEPS_PER_HEAD x group
+# thirty-seventh and thirty-eighth sessions): the second band's key tiles walk REST_PARTS_MIN_STEPS
+# 64-row steps per head on average or more (0.935-0.965 at 14-36 on multi-group layouts at 32 / 4
+# and 16 / 2; with the store-and-ticket sums 0.909-0.955 at 8.5-9.6 on the fused kernel's layouts
+# of 1024-token responses, 0.874 with 4 parts at group 16; the 1.04-1.08 once measured at 9.6 were
+# layouts that fast mode runs on the deterministic kernels, whose lists take no parts: fewer steps
+# are not measured), and at most REST_PARTS_MAX_STEPS_PER_HEAD x group
 # (group 8: level at 60 and 1.018 at 129; group 16, whose heads drift twice as far: 0.95 at 60);
 # and the band holds REST_PARTS_SHARE of the steps or more (the long single-group shapes, 1-3 %,
 # measured level). One kv head is in: since fast mode's parts meet by store and ticket instead of
@@ -943,7 +945,7 @@ def ws_head_parts(work: "Work", group: int, split_on: bool = True) -> tuple[int,
 # with 4 on three layouts (with atomics 8 / 1 had lost 1.4-1.6 %, and a bound on the long band's
 # longest CTA, 0.9 of an SM's share, left both out). Not in deterministic mode (1.053: each part
 # stores its sums and the last adds them in part order) nor on split lists.
-REST_PARTS_MIN_STEPS = 12.0
+REST_PARTS_MIN_STEPS = 8.0
 REST_PARTS_MAX_STEPS_PER_HEAD = 6.0
 REST_PARTS_SHARE = 0.15
 

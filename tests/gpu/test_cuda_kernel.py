@@ -1770,10 +1770,15 @@ def test_ws_dq_beside(hkv, group, shape, parts, split, beside, monkeypatch):
     (16, 2, 8, (16, 1024, 2048), False, 2),
     (32, 2, 8, (16, 1024, 2048), False, 4),   # group 16: 4 parts of 4 heads (measured 0.83; 2: 0.90)
     (32, 4, 4, (16, 1024, 1536), False, 2),   # 14 steps
-    (32, 4, 8, (16, 512, 1024), False, 1),    # 9.6 steps: the parts' own costs (measured 1.06)
+    (32, 4, 8, (16, 1024, 1024), False, 2),   # 9.6 steps (measured 0.909)
+    (32, 4, 4, (32, 1024, 1024), False, 2),   # 9.6 steps (measured 0.930)
+    (32, 4, 8, (8, 2048, 1024), False, 2),    # 8.5 steps (measured 0.952)
+    (16, 2, 8, (16, 2048, 1024), False, 2),   # (measured 0.955)
+    (32, 2, 8, (16, 1024, 1024), False, 4),   # group 16 (measured 0.874; 2 parts 0.929)
+    (32, 4, 8, (16, 512, 1024), False, 1),    # fast mode runs the deterministic kernels: no parts
     (32, 4, 4, (8, 2048, 8192), False, 1),    # 60 steps (measured level)
     (32, 2, 4, (8, 2048, 8192), False, 4),    # 60 steps at group 16 (measured 0.95)
-    (32, 2, 8, (16, 512, 1024), False, 1),    # 9.6 steps at group 16 (measured 1.04-1.08)
+    (32, 2, 8, (16, 512, 1024), False, 1),    # the deterministic kernels (parts there measured 1.04-1.08)
     (16, 1, 8, (16, 1024, 2048), False, 4),   # one kv head, store-and-ticket sums (measured 0.936)
     (16, 1, 8, (16, 1024, 1536), False, 4),   # (measured 0.991)
     (16, 1, 4, (16, 2048, 4096), False, 4),   # (measured 0.970)
@@ -1786,8 +1791,9 @@ def test_ws_dq_beside(hkv, group, shape, parts, split, beside, monkeypatch):
     (32, 4, 1, (64, 256, 1024), False, 1),    # split by query rows
 ])
 def test_ws_rest_parts_rule(hq, hkv, groups, shape, deterministic, parts, monkeypatch):
-    """auto_rest_parts on the lists forward() builds (132 SMs): group / 4 parts at 8 query heads
-    per kv head or more on fast-mode unsplit lists whose second band walks REST_PARTS_MIN_STEPS to
+    """auto_rest_parts on the lists forward() builds (132 SMs; fast mode's lists are the
+    deterministic ones where it runs the deterministic kernels, fast_bwd_separate_dq): group / 4
+    parts at 8 query heads per kv head or more on fast-mode unsplit lists whose second band walks REST_PARTS_MIN_STEPS to
     REST_PARTS_MAX_STEPS_PER_HEAD x group steps per head on average and holds REST_PARTS_SHARE of
     the steps; ws_rest_parts gives it under auto; the slots (parts - 1 an item) take about
     2 (parts - 1) / group of the fp32 dQ sums' memory."""
@@ -1795,9 +1801,11 @@ def test_ws_rest_parts_rule(hq, hkv, groups, shape, deterministic, parts, monkey
     monkeypatch.setitem(cuda_backend._SM_COUNTS, cpu, 132)
     for var in ("MEGATRON_DUALKV_WS_REST_PARTS", "MEGATRON_DUALKV_WS_HEAD_PARTS", "MEGATRON_DUALKV_WS_BALANCE"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MEGATRON_DUALKV_FAST_BWD", "auto")  # fast mode's own choice, as in training
     n, p, r = shape  # the layouts timed: bench_kernel.py --groups G --spread 0.5 (one group: no spread)
     spread = 0.5 if groups > 1 else 0.0
     seg = make_segments([(p, bench_kernel.response_lengths(n, r, spread, g)) for g in range(groups)], device="cpu")
+    deterministic = deterministic or cuda_backend.fast_bwd_separate_dq(seg, 128)  # as forward() decides
     split = cuda_backend.ws_split(torch.empty(1, hq, 8), torch.empty(1, hkv, 8), per_part=deterministic)
     work = cuda_backend.Work(seg, cpu, split=split, phase=not deterministic)
     assert work.ws_rest_parts == parts
