@@ -878,6 +878,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // (fast-mode head parts just below; split parts and deterministic head parts in `split`)
   const BlockMap em = map_block(a, ctaid_x());
   const int split_field = w[7] > 0 ? w[7] : 0;
+  // slot s's fp32 sums [2][kKVB][D] of kv head hk
+  auto slot_acc = [&](int s) { return a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D; };
   // Fast mode, head parts: the parts' sums meet without atomics. Each part takes a ticket (the
   // order they finish in); all but the last store their raw dK, dV fragments into a slot of their
   // own, thread-major (the last part's thread holds the same fragment positions: 16-byte stores
@@ -892,7 +894,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const int base = a.head_slot_base + em.item * pslots;
     int* const cnt = a.split_count + (long)base * a.hkv + hk;
     const int tid = threadIdx.x - 128;
-    auto slot4 = [&](int s) { return reinterpret_cast<float4*>(a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D); };
+    auto slot4 = [&](int s) { return reinterpret_cast<float4*>(slot_acc(s)); };
     int* ticket = reinterpret_cast<int*>(sTd);
     named_sync(10, 256);  // both consumers' steps are done: sTd is free
     if (threadIdx.x == 128) *ticket = atomicAdd(cnt, 1) & 0xffff;
@@ -946,7 +948,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const int slot = head_part ? a.head_slot_base + em.item * max(a.head_parts, a.rest_parts) : split_field >> 20;
     const int part = head_part ? em.head_part : (split_field >> 10) & 1023;
     const int parts = head_part ? em.head_parts : split_field & 1023;
-    auto slot_acc = [&](int s) { return a.split_acc + (long)(s * a.hkv + hk) * 2 * kKVB * D; };
     // deterministic: part p's own sums; a prompt tail's parts (t rows each) packed kKVB / t to a slot
     const int tail_rows = w[8] < 0 ? -w[8] : w[8];
     auto part_acc = [&](int p) {
@@ -1065,8 +1066,8 @@ static cudaError_t bwd_ws_t(const DeltaArgs& da, const DkvArgs& ka, int dtype, C
       !make_map(&mq, ka.q, dt, D, ka.hq, ka.Tq, QT, es) || !make_map(&mdo, ka.dout, dt, D, ka.hq, ka.Tq, QT, es) ||
       (kTmaDQ && with_dq && !make_dq_map(&mdq, ka.dq_acc, D, ka.hq, ka.Tq, QT)))
     return cudaErrorInvalidResourceHandle;
-  // (head parts: the long items' CTAs head_parts times, the others' rest_parts times)
   MDKV_TRACE_SET_BUFFER("MDKV_CTA_TRACE_BWD", stream);
+  // (head parts: the long items' CTAs head_parts times, the others' rest_parts times)
   const long blocks = ((long)ka.long_items * ka.head_parts + (long)(ka.num_items - ka.long_items) * ka.rest_parts) * ka.hkv;
   k<<<(unsigned)blocks, kThreadsB, L::kBytes, stream>>>(mk, mv, mq, mdo, mdq, ka);
   return cudaGetLastError();
