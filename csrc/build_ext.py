@@ -1,6 +1,6 @@
 """Build the DualKV CUDA extension without setup.py (JIT, ninja) into a folder.
 
-    python csrc/build_ext.py [OUT_DIR] [--python-include DIR] [--cta-trace]
+    python csrc/build_ext.py [OUT_DIR] [--python-include DIR] [--cta-trace] [--ops-namespace NAME]
         (OUT_DIR default: .gpu/build; MAX_JOBS=1 is honoured)
 
 The result, OUT_DIR/_C.so, is found by megatron_dualkv/ops/cuda_backend.py through the
@@ -15,11 +15,16 @@ A build made with 3.13's headers fails to load under 3.12 with "undefined symbol
 PyDict_GetItemStringRef". The torch build must match too (same version and CUDA).
 --cta-trace compiles in the ws kernels' per-CTA clock stamps (csrc/cta_trace.h, read by
 tools/cta_trace.py): a build for that tool, not for use (a default build has none of it).
+--ops-namespace NAME registers the ops as torch.ops.NAME instead of torch.ops.megatron_dualkv
+(csrc/ops_namespace.h): such a build loads beside a default one (MEGATRON_DUALKV_CUDA_LIB_EXTRA)
+and MEGATRON_DUALKV_OPS=NAME runs a call on it, so that two builds are timed side by side in one
+process (tools/bench_kernel.py cuda,cuda[MEGATRON_DUALKV_OPS=NAME] --interleave).
 Where nvcc is reached through /usr/local/bin, set CUDA_HOME=/usr/local/cuda: torch would take
 /usr/local and miss crt/host_defines.h.
 """
 import argparse
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +41,12 @@ def main():
     ap.add_argument("--python-include", help="Python.h folder of the interpreter that will load the library")
     ap.add_argument("--cta-trace", action="store_true",
                     help="compile in the per-CTA clock stamps that tools/cta_trace.py reads (-DMDKV_CTA_TRACE)")
+    ap.add_argument("--ops-namespace", default="megatron_dualkv",
+                    help="torch op namespace of this build (another than megatron_dualkv: a build to load beside "
+                         "a default one, MEGATRON_DUALKV_CUDA_LIB_EXTRA)")
     args = ap.parse_args()
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.ops_namespace):
+        sys.exit(f"--ops-namespace {args.ops_namespace}: not a C identifier")
     out = os.path.abspath(args.out)
     includes = []
     if args.python_include:
@@ -56,9 +66,14 @@ def main():
         pass
     lib = os.path.join(out, "_C.so")
     try:
-        load(name="_C", sources=SOURCES, extra_cflags=CXX_FLAGS,
-             extra_cuda_cflags=NVCC_FLAGS + (["-DMDKV_CTA_TRACE"] if args.cta_trace else []),
-             extra_include_paths=includes, build_directory=out, verbose=True, is_python_module=False)
+        ns = [f"-DMDKV_OPS_NS={args.ops_namespace}"]
+        # a build to load beside another binds its own functions to itself (the two define the same
+        # C++ names), also where the other was loaded RTLD_GLOBAL
+        ld = ["-Wl,-Bsymbolic"] if args.ops_namespace != "megatron_dualkv" else []
+        load(name="_C", sources=SOURCES, extra_cflags=CXX_FLAGS + ns,
+             extra_cuda_cflags=NVCC_FLAGS + ns + (["-DMDKV_CTA_TRACE"] if args.cta_trace else []),
+             extra_ldflags=ld, extra_include_paths=includes, build_directory=out, verbose=True,
+             is_python_module=False)
     except OSError:
         # load() ends by loading the library here, which a build for another Python cannot do
         if not (args.python_include and os.path.isfile(lib)):

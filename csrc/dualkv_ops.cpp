@@ -17,6 +17,7 @@
 
 #include "dualkv_kernels.h"
 #include "dualkv_op_args.h"
+#include "ops_namespace.h"
 
 namespace {
 
@@ -110,14 +111,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_sm90(MDKV_BWD_PARAMS) 
 
 }  // namespace
 
-TORCH_LIBRARY(megatron_dualkv, m) {
+MDKV_LIBRARY(MDKV_OPS_NS, m) {
   m.def(mdkv::op_args::fwd_schema("fwd").c_str());
   m.def(mdkv::op_args::fwd_schema("fwd_sm90").c_str());
   m.def(mdkv::op_args::bwd_schema("bwd").c_str());
   m.def(mdkv::op_args::bwd_schema("bwd_sm90").c_str());
 }
 
-TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {
+MDKV_LIBRARY_IMPL(MDKV_OPS_NS, CUDA, m) {
   m.impl("fwd", &dualkv_fwd);
   m.impl("fwd_sm90", &dualkv_fwd_sm90);
   m.impl("bwd", &dualkv_bwd);

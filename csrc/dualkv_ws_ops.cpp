@@ -51,6 +51,7 @@
 
 #include "dualkv_fwd_ws.h"
 #include "dualkv_op_args.h"
+#include "ops_namespace.h"
 
 namespace {
 
@@ -251,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dualkv_bwd_ws_sm90(MDKV_BWD_PARAM
 // (the second band's items in head parts; a format-10 build has no such argument).
 constexpr int64_t kWsListFormat = 11;
 
-TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
+MDKV_LIBRARY_FRAGMENT(MDKV_OPS_NS, m) {
   m.def("ws_list_format() -> int", []() -> int64_t { return kWsListFormat; });
   std::string ws_fwd = mdkv::op_args::fwd_schema("fwd_ws_sm90");
   ws_fwd.insert(ws_fwd.find(") ->"), ", int kv_tile=128, bool narrow_tail=True, bool persistent=False");
@@ -261,7 +262,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_dualkv, m) {
   m.def(ws_bwd.c_str());
 }
 
-TORCH_LIBRARY_IMPL(megatron_dualkv, CUDA, m) {
+MDKV_LIBRARY_IMPL(MDKV_OPS_NS, CUDA, m) {
   m.impl("fwd_ws_sm90", &dualkv_fwd_ws_sm90);
   m.impl("bwd_ws_sm90", &dualkv_bwd_ws_sm90);
 }

@@ -15,3 +15,11 @@ def test_python_include_without_python_h_is_refused(tmp_path):
     assert run.returncode != 0
     assert f"--python-include {tmp_path}: no Python.h there" in run.stderr
     assert not (tmp_path / "out").exists(), "the output folder was made before the argument was checked"
+
+
+def test_ops_namespace_that_is_not_an_identifier_is_refused(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "csrc", "build_ext.py"), str(tmp_path / "out"),
+                          "--ops-namespace", "2nd-build"], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "--ops-namespace 2nd-build: not a C identifier" in run.stderr
+    assert not (tmp_path / "out").exists(), "the output folder was made before the argument was checked"

@@ -42,6 +42,11 @@ fit is run in equal chunks of sequences; one chunk is timed and multiplied (note
   python tools/bench_kernel.py --shapes 64x256x1024 --cp 2 --interleave \
       --backends "cuda,cuda[deterministic=1],flex-triton"
       # one context-parallel rank: its local queries against all keys (no collectives)
+  MEGATRON_DUALKV_CUDA_LIB_EXTRA=old=/tmp/old/_C.so python tools/bench_kernel.py --interleave \
+      --backends "cuda,cuda[MEGATRON_DUALKV_OPS=old]"
+      # two builds run by run in one process, on the same clocks and memory: the other one built
+      # with csrc/build_ext.py /tmp/old --ops-namespace old (alternating processes could not
+      # resolve 3.6 % on a short forward, docs/PERF.md, thirty-ninth session)
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@
 # FROM_DIR holds a complete build (build.ninja + objects, e.g. .gpu/final); OUT_DIR gets its
 # objects, the given sources recompiled with the same flags (their object = basename.cuda.o, so
 # a source from another checkout replaces the one of the same name) and a newly linked _C.so.
+# OPS_NS=NAME: the op sources (.cpp) compiled for namespace NAME and the library linked -Bsymbolic,
+# a build to load beside a default one (csrc/build_ext.py --ops-namespace; give both .cpp files):
+#   OPS_NS=old tools/relink_ext.sh /tmp/b_old /tmp/b_old_ns csrc/dualkv_ops.cpp csrc/dualkv_ws_ops.cpp
 set -euo pipefail
 from=$1 out=$2; shift 2
 mkdir -p "$out"
@@ -14,9 +17,10 @@ cxxflags=$(sed -n 's/^cflags = //p' "$from/build.ninja")
 ldflags=$(sed -n 's/^ldflags = //p' "$from/build.ninja")
 objs=$(sed -n 's/^build _C.so: link //p' "$from/build.ninja")
 inc=$(cd "$(dirname "$0")/../csrc" && pwd)
+ns=""; [ -n "${OPS_NS:-}" ] && { ns="-DMDKV_OPS_NS=$OPS_NS"; ldflags="$ldflags -Wl,-Bsymbolic"; }
 for src in "$@"; do
   if [[ $src == *.cpp ]]; then  # the torch op glue: host compiler, object basename.o
-    eval c++ $cxxflags -I"$inc" -c "$src" -o "$out/$(basename "${src%.cpp}").o" || { echo "compile failed: $src"; exit 1; }
+    eval c++ $cxxflags $ns -I"$inc" -c "$src" -o "$out/$(basename "${src%.cpp}").o" || { echo "compile failed: $src"; exit 1; }
     continue
   fi
   obj="$out/$(basename "${src%.cu}").cuda.o"

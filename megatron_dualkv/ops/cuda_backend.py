@@ -93,9 +93,92 @@ def _load() -> tuple[bool, str]:
         why = _list_format_problem()
         ok = not why
     if ok:
+        why = _load_extra_builds()
+        ok = not why
+    if ok:
         _register_python_side()
     _load_state.update(ok=ok, why=why)
     return ok, why
+
+
+# A second build beside the first, in the same process, for timing two builds run by run on the same
+# clocks and memory (alternating processes could not resolve 3.6 % on a short forward whose time
+# differs by up to 7 % from process to process: docs/PERF.md, thirty-ninth session). The build is
+# made with csrc/build_ext.py --ops-namespace NAME (its ops are torch.ops.NAME), loaded from
+# MEGATRON_DUALKV_CUDA_LIB_EXTRA=NAME=PATH[,NAME=PATH...], and a call runs on it under
+# MEGATRON_DUALKV_OPS=NAME (tools/bench_kernel.py cuda[MEGATRON_DUALKV_OPS=NAME]).
+DEFAULT_OPS = "megatron_dualkv"
+_EXTRA_ENV = "MEGATRON_DUALKV_CUDA_LIB_EXTRA"
+_OPS_ENV = "MEGATRON_DUALKV_OPS"
+
+
+def extra_builds(value: str) -> list[tuple[str, str]]:
+    """[(namespace, path)] of a MEGATRON_DUALKV_CUDA_LIB_EXTRA value, checked for form: NAME=PATH
+    items separated by commas, each NAME a C identifier other than the default and named once."""
+    pairs = []
+    for item in filter(None, (x.strip() for x in value.split(","))):
+        name, eq, path = item.partition("=")
+        if not eq or not name.isidentifier() or not path:
+            raise ValueError(f"{_EXTRA_ENV}: {item!r} is not NAME=PATH (NAME the build's --ops-namespace)")
+        if name == DEFAULT_OPS or name in dict(pairs):
+            raise ValueError(f"{_EXTRA_ENV}: {name!r} is the default build's namespace or named twice; "
+                             "an extra build needs a namespace of its own (csrc/build_ext.py --ops-namespace)")
+        pairs.append((name, path))
+    return pairs
+
+
+def _load_extra_builds() -> str:
+    """Load the builds of MEGATRON_DUALKV_CUDA_LIB_EXTRA ('' when all loaded and read this package's
+    work lists, else why not). A library registering a namespace that is already taken would abort
+    the process inside dlopen, so a file without its namespace as a string is refused unloaded."""
+    try:
+        pairs = extra_builds(os.environ.get(_EXTRA_ENV, ""))
+    except ValueError as exc:
+        return str(exc)
+    for name, path in pairs:
+        if _loaded_format(name) is not None:
+            continue  # loaded before (the op registry is per process)
+        try:
+            with open(path, "rb") as f:
+                holds = (name.encode() + b"\0") in f.read()
+        except OSError as exc:
+            return f"{_EXTRA_ENV}: cannot read {path} ({exc})"
+        if not holds:
+            return f"{_EXTRA_ENV}: {path} registers no ops under {name!r} (build it with csrc/build_ext.py --ops-namespace {name})"
+        try:
+            torch.ops.load_library(path)
+        except OSError as exc:
+            return f"{_EXTRA_ENV}: cannot load {path} ({exc})"
+        got = _loaded_format(name)
+        if got != WS_LIST_FORMAT:
+            return (f"{_EXTRA_ENV}: {path} ({name}) reads work-list format {got}, this package writes "
+                    f"{WS_LIST_FORMAT}; only builds of one format can be timed side by side")
+    return ""
+
+
+def _loaded_format(name: str) -> Optional[int]:
+    """The work-list format of the ops loaded under namespace `name`, None where there are none."""
+    try:
+        return int(getattr(torch.ops, name).ws_list_format())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _ops(name: str):
+    """torch.ops.NAME; the default build's written out, as torch.compile traced it before there were
+    others (test_torch_compile_traces_the_ops, fullgraph)."""
+    return torch.ops.megatron_dualkv if name == DEFAULT_OPS else getattr(torch.ops, name)
+
+
+def ops_namespace() -> str:
+    """The namespace of the ops a call runs on: MEGATRON_DUALKV_OPS, or megatron_dualkv where unset;
+    another must be an extra build's that is loaded (MEGATRON_DUALKV_CUDA_LIB_EXTRA)."""
+    name = os.environ.get(_OPS_ENV) or DEFAULT_OPS
+    if name != DEFAULT_OPS and _loaded_format(name) is None:
+        loaded = [n for n, _ in extra_builds(os.environ.get(_EXTRA_ENV, ""))]
+        raise ValueError(f"{_OPS_ENV}={name}: no build is loaded under that namespace (extra builds named by "
+                         f"{_EXTRA_ENV}: {loaded or 'none'})")
+    return name
 
 
 # The format of the ws work lists and ops this package uses; csrc/dualkv_ws_ops.cpp's kWsListFormat
@@ -1107,23 +1190,24 @@ def _register_python_side() -> None:
 
 class _DualKVFunction(torch.autograd.Function):
     """apply(q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind,
-    bwd_kind, slots, fwd_tiling): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
+    bwd_kind, slots, fwd_tiling, ops_ns): kinds "ws", "sm90", "mma"; bwd_kind is the kernel that runs
     (`_lists` picks the work lists that match both kinds); slots: the ws backward's workspace slots
     (key tiles split by query rows, prompt tails: `Work.ws_slots`), then its head parts and long
     items (`ws_head_parts`), dq_beside (`ws_dq_beside`) and the second band's parts
     (`ws_rest_parts`); fwd_tiling: the ws forward's (keys per tile, narrowed parent tail,
-    persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`, `ws_fwd_persistent`)."""
+    persistent CTAs) (`ws_fwd_tile`, `ws_fwd_narrow_tail`, `ws_fwd_persistent`); ops_ns: the build
+    whose ops run the forward and its backward (`ops_namespace`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_rows, bwd_rows, bwd_kv, bwd_ranges, scale, deterministic, fwd_kind, bwd_kind,
-                slots, fwd_tiling):
-        ops = torch.ops.megatron_dualkv
+                slots, fwd_tiling, ops_ns=DEFAULT_OPS):
+        ops = _ops(ops_ns)
         if fwd_kind == "ws":
             out, lse = ops.fwd_ws_sm90(q, k, v, fwd_rows, scale, *fwd_tiling)
         else:
             out, lse = {"sm90": ops.fwd_sm90, "mma": ops.fwd}[fwd_kind](q, k, v, fwd_rows, scale)
         ctx.save_for_backward(q, k, v, out, lse, bwd_rows, bwd_kv, bwd_ranges)
-        ctx.scale, ctx.deterministic, ctx.bwd_kind, ctx.slots = scale, deterministic, bwd_kind, slots
+        ctx.scale, ctx.deterministic, ctx.bwd_kind, ctx.slots, ctx.ops_ns = scale, deterministic, bwd_kind, slots, ops_ns
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -1132,13 +1216,13 @@ class _DualKVFunction(torch.autograd.Function):
         q, k, v, out, lse, rows, kv, ranges = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        ops = torch.ops.megatron_dualkv
+        ops = _ops(ctx.ops_ns)
         args = (dout.contiguous(), q, k, v, out, lse, None, rows, kv, ranges, ctx.scale, ctx.deterministic)
         if ctx.bwd_kind == "ws":
             dq, dk, dv = ops.bwd_ws_sm90(*args, *ctx.slots)
         else:
             dq, dk, dv = {"sm90": ops.bwd_sm90, "mma": ops.bwd}[ctx.bwd_kind](*args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _lists(work: Work, fwd_kind: str, bwd_kind: str) -> tuple:
@@ -1253,7 +1337,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_sca
     d = q.shape[-1]
     fwd_tiling = (ws_fwd_tile(work, d), ws_fwd_narrow_tail(), ws_fwd_persistent(work, d)) if fi == "ws" else (128, False, False)
     return _DualKVFunction.apply(q, k, v, fwd_rows, bwd_rows, kv, ranges, scale, bool(deterministic), fi, bwd_kernel,
-                                 slots, fwd_tiling)
+                                 slots, fwd_tiling, ops_namespace())
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: SegmentTable, softmax_scale: Optional[float] = None,

@@ -1941,3 +1941,47 @@ def test_work_lists_reject_deeper_trees():
     deep = SegmentTable.from_host([0, 4, 8], [4, 4, 5], [-1, 0, 1])
     with pytest.raises(ValueError, match="depth"):
         cuda_backend.build_work(deep)
+
+
+def test_extra_builds_are_named_and_checked_for_form():
+    """MEGATRON_DUALKV_CUDA_LIB_EXTRA: NAME=PATH items (a second build beside the default one, for
+    timing two builds in one process); a malformed item, the default namespace or a name given
+    twice is an error naming the variable."""
+    assert cuda_backend.extra_builds("") == []
+    assert cuda_backend.extra_builds("old=/a/_C.so, b2=/b/_C.so") == [("old", "/a/_C.so"), ("b2", "/b/_C.so")]
+    for bad, says in [("/a/_C.so", "is not NAME=PATH"), ("2nd=/a/_C.so", "is not NAME=PATH"), ("old=", "is not NAME=PATH"),
+                      ("megatron_dualkv=/a/_C.so", "namespace of its own"), ("old=/a,old=/b", "named twice")]:
+        with pytest.raises(ValueError, match="MEGATRON_DUALKV_CUDA_LIB_EXTRA") as err:
+            cuda_backend.extra_builds(bad)
+        assert says in str(err.value)
+
+
+def test_extra_build_without_its_namespace_is_refused_unloaded(tmp_path, monkeypatch):
+    """A file that does not hold its namespace's name is refused before it is loaded (a default
+    build loaded a second time would abort the process registering megatron_dualkv again); one that
+    holds it but is no library names the path; a missing file names it too."""
+    plain = tmp_path / "plain.so"
+    plain.write_bytes(b"\x7fELF megatron_dualkv\0 other strings\0")
+    monkeypatch.setenv("MEGATRON_DUALKV_CUDA_LIB_EXTRA", f"mdkv_old={plain}")
+    assert cuda_backend._load_extra_builds() == (
+        f"MEGATRON_DUALKV_CUDA_LIB_EXTRA: {plain} registers no ops under 'mdkv_old' "
+        "(build it with csrc/build_ext.py --ops-namespace mdkv_old)")
+    fake = tmp_path / "fake.so"
+    fake.write_bytes(b"not a library, but it says mdkv_old\0")
+    monkeypatch.setenv("MEGATRON_DUALKV_CUDA_LIB_EXTRA", f"mdkv_old={fake}")
+    assert cuda_backend._load_extra_builds().startswith(f"MEGATRON_DUALKV_CUDA_LIB_EXTRA: cannot load {fake}")
+    monkeypatch.setenv("MEGATRON_DUALKV_CUDA_LIB_EXTRA", f"mdkv_old={tmp_path / 'gone.so'}")
+    assert cuda_backend._load_extra_builds().startswith(f"MEGATRON_DUALKV_CUDA_LIB_EXTRA: cannot read {tmp_path / 'gone.so'}")
+
+
+def test_ops_namespace_names_a_build_that_is_not_loaded(monkeypatch):
+    """MEGATRON_DUALKV_OPS picks the build a call runs on: unset, the default; a namespace with no
+    ops loaded is an error naming the variable and the extra builds named."""
+    monkeypatch.delenv("MEGATRON_DUALKV_OPS", raising=False)
+    assert cuda_backend.ops_namespace() == "megatron_dualkv"
+    monkeypatch.setenv("MEGATRON_DUALKV_OPS", "megatron_dualkv")
+    assert cuda_backend.ops_namespace() == "megatron_dualkv"
+    monkeypatch.setenv("MEGATRON_DUALKV_OPS", "mdkv_not_loaded")
+    monkeypatch.setenv("MEGATRON_DUALKV_CUDA_LIB_EXTRA", "mdkv_old=/nowhere/_C.so")
+    with pytest.raises(ValueError, match=r"MEGATRON_DUALKV_OPS=mdkv_not_loaded: no build is loaded .*\['mdkv_old'\]"):
+        cuda_backend.ops_namespace()
