@@ -130,7 +130,8 @@ def extra_builds(value: str) -> list[tuple[str, str]]:
 def _load_extra_builds() -> str:
     """Load the builds of MEGATRON_DUALKV_CUDA_LIB_EXTRA ('' when all loaded and read this package's
     work lists, else why not). A library registering a namespace that is already taken would abort
-    the process inside dlopen, so a file without its namespace as a string is refused unloaded."""
+    the process inside dlopen, so a file without the registration function of its namespace (the
+    symbol TORCH_LIBRARY(NAME, m) defines: `_library_marker`) is refused unloaded."""
     try:
         pairs = extra_builds(os.environ.get(_EXTRA_ENV, ""))
     except ValueError as exc:
@@ -140,7 +141,7 @@ def _load_extra_builds() -> str:
             continue  # loaded before (the op registry is per process)
         try:
             with open(path, "rb") as f:
-                holds = (name.encode() + b"\0") in f.read()
+                holds = _library_marker(name) in f.read()
         except OSError as exc:
             return f"{_EXTRA_ENV}: cannot read {path} ({exc})"
         if not holds:
@@ -154,6 +155,12 @@ def _load_extra_builds() -> str:
             return (f"{_EXTRA_ENV}: {path} ({name}) reads work-list format {got}, this package writes "
                     f"{WS_LIST_FORMAT}; only builds of one format can be timed side by side")
     return ""
+
+
+def _library_marker(name: str) -> bytes:
+    """The mangled name of the static function TORCH_LIBRARY(name, m) defines (void (torch::Library&)),
+    in the symbol table of an unstripped build that registers namespace `name`."""
+    return b"TORCH_LIBRARY_init_" + name.encode() + b"RN5torch7LibraryE"
 
 
 def _loaded_format(name: str) -> Optional[int]:

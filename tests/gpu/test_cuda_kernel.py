@@ -1957,17 +1957,17 @@ def test_extra_builds_are_named_and_checked_for_form():
 
 
 def test_extra_build_without_its_namespace_is_refused_unloaded(tmp_path, monkeypatch):
-    """A file that does not hold its namespace's name is refused before it is loaded (a default
-    build loaded a second time would abort the process registering megatron_dualkv again); one that
-    holds it but is no library names the path; a missing file names it too."""
+    """A file without its namespace's registration function is refused before it is loaded (a
+    default build loaded a second time would abort the process registering megatron_dualkv again);
+    one that holds it but is no library names the path; a missing file names it too."""
     plain = tmp_path / "plain.so"
-    plain.write_bytes(b"\x7fELF megatron_dualkv\0 other strings\0")
+    plain.write_bytes(b"\x7fELF mdkv_old\0 _ZL35TORCH_LIBRARY_init_megatron_dualkvRN5torch7LibraryE\0")
     monkeypatch.setenv("MEGATRON_DUALKV_CUDA_LIB_EXTRA", f"mdkv_old={plain}")
     assert cuda_backend._load_extra_builds() == (
         f"MEGATRON_DUALKV_CUDA_LIB_EXTRA: {plain} registers no ops under 'mdkv_old' "
         "(build it with csrc/build_ext.py --ops-namespace mdkv_old)")
     fake = tmp_path / "fake.so"
-    fake.write_bytes(b"not a library, but it says mdkv_old\0")
+    fake.write_bytes(b"not a library, but it holds _ZL26TORCH_LIBRARY_init_mdkv_oldRN5torch7LibraryE\0")
     monkeypatch.setenv("MEGATRON_DUALKV_CUDA_LIB_EXTRA", f"mdkv_old={fake}")
     assert cuda_backend._load_extra_builds().startswith(f"MEGATRON_DUALKV_CUDA_LIB_EXTRA: cannot load {fake}")
     monkeypatch.setenv("MEGATRON_DUALKV_CUDA_LIB_EXTRA", f"mdkv_old={tmp_path / 'gone.so'}")
