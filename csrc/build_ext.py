@@ -33,6 +33,7 @@ SOURCES = [os.path.join(HERE, f) for f in ("dualkv_ops.cpp", "dualkv_kernels.cu"
 NVCC_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--use_fast_math",
               "-Xptxas=-v", "-lineinfo"]
 CXX_FLAGS = ["-O3", "-std=c++17"]
+DEFAULT_OPS_NAMESPACE = "megatron_dualkv"  # csrc/ops_namespace.h's MDKV_OPS_NS without a -D
 
 
 def main():
@@ -41,7 +42,7 @@ def main():
     ap.add_argument("--python-include", help="Python.h folder of the interpreter that will load the library")
     ap.add_argument("--cta-trace", action="store_true",
                     help="compile in the per-CTA clock stamps that tools/cta_trace.py reads (-DMDKV_CTA_TRACE)")
-    ap.add_argument("--ops-namespace", default="megatron_dualkv",
+    ap.add_argument("--ops-namespace", default=DEFAULT_OPS_NAMESPACE,
                     help="torch op namespace of this build (another than megatron_dualkv: a build to load beside "
                          "a default one, MEGATRON_DUALKV_CUDA_LIB_EXTRA)")
     args = ap.parse_args()
@@ -69,7 +70,7 @@ def main():
         ns = [f"-DMDKV_OPS_NS={args.ops_namespace}"]
         # a build to load beside another binds its own functions to itself (the two define the same
         # C++ names), also where the other was loaded RTLD_GLOBAL
-        ld = ["-Wl,-Bsymbolic"] if args.ops_namespace != "megatron_dualkv" else []
+        ld = ["-Wl,-Bsymbolic"] if args.ops_namespace != DEFAULT_OPS_NAMESPACE else []
         load(name="_C", sources=SOURCES, extra_cflags=CXX_FLAGS + ns,
              extra_cuda_cflags=NVCC_FLAGS + ns + (["-DMDKV_CTA_TRACE"] if args.cta_trace else []),
              extra_ldflags=ld, extra_include_paths=includes, build_directory=out, verbose=True,

@@ -204,10 +204,7 @@ WS_LIST_FORMAT = 11
 
 def _list_format_problem() -> str:
     """'' when the loaded extension reads the work lists this package writes, else why not."""
-    try:
-        got = int(torch.ops.megatron_dualkv.ws_list_format())
-    except (AttributeError, RuntimeError):
-        got = None
+    got = _loaded_format(DEFAULT_OPS)
     if got == WS_LIST_FORMAT:
         return ""
     have = "no ws_list_format op (built before format 2)" if got is None else f"work-list format {got}"
